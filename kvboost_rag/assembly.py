@@ -1,0 +1,125 @@
+"""From a prompt to a plan (which KV comes from where) and an assembled cache.
+
+A prompt is a sequence of segments: fixed text (template, system prompt, question) and ingested
+documents. Each segment is tokenized on its own, so a document's tokens in the prompt are exactly
+its cached tokens, and cut into chunks. Every chunk is then one of:
+
+- exact:   its prefix key is stored, and everything before it is exact. Reused as it is.
+- approx:  a document chunk whose tokens are stored from another context (content key). Its keys
+           are re-rotated to their new positions; the repair strategy decides what to recompute.
+- compute: nothing usable is stored; computed in the prefill.
+
+`exact` propagates: once an approximate chunk appears, nothing after it can be exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import keys as keyring
+from .adapter import ModelAdapter
+from .documents import Document, DocumentIndex
+from .kvcache import KVBuffers
+from .store.base import KVEntry, KVStore
+
+EXACT, APPROX, COMPUTE = "exact", "approx", "compute"
+
+
+@dataclass
+class PlannedChunk:
+    start: int  # position of the first token in the prompt
+    token_ids: tuple[int, ...]
+    is_document: bool
+    prefix_key: bytes
+    content_key: bytes
+    source: str = COMPUTE
+    entry: KVEntry | None = None
+    # True when this chunk's KV, once computed, equals a full prefill's (all before it is exact).
+    exact_context: bool = True
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class Plan:
+    token_ids: torch.Tensor  # [N] long
+    chunks: list[PlannedChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def positions(self, source: str) -> torch.Tensor:
+        spans = [torch.arange(c.start, c.end) for c in self.chunks if c.source == source]
+        return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
+
+    def count(self, source: str) -> int:
+        return sum(len(c.token_ids) for c in self.chunks if c.source == source)
+
+
+def split_segments(prompt: str, index: DocumentIndex) -> list[str | Document]:
+    """The prompt as alternating fixed text (str) and ingested documents, in order."""
+    segments: list[str | Document] = []
+    cursor = 0
+    for span in index.find(prompt):
+        if span.start > cursor:
+            segments.append(prompt[cursor:span.start])
+        segments.append(span.document)
+        cursor = span.end
+    if cursor < len(prompt):
+        segments.append(prompt[cursor:])
+    return segments
+
+
+def tokenize_segments(segments: list[str | Document], tokenizer, max_chunk_tokens: int,
+                      bos_ids: tuple[int, ...] = ()) -> list[tuple[tuple[int, ...], bool]]:
+    """(token ids, is_document) for every chunk of the prompt, in order."""
+    chunks: list[tuple[tuple[int, ...], bool]] = []
+    for i, seg in enumerate(segments):
+        if isinstance(seg, Document):
+            chunks.extend((tokens, True) for tokens in seg.chunk_tokens())
+            continue
+        ids = tuple(tokenizer(seg, add_special_tokens=False)["input_ids"])
+        if i == 0 and ids[:len(bos_ids)] != bos_ids:
+            ids = bos_ids + ids
+        chunks.extend((ids[j:j + max_chunk_tokens], False) for j in range(0, len(ids), max_chunk_tokens))
+    if not chunks and bos_ids:
+        chunks.append((bos_ids, False))
+    return [c for c in chunks if c[0]]
+
+
+def plan(chunks: list[tuple[tuple[int, ...], bool]], fingerprint: str, store: KVStore | None,
+         use_exact: bool, use_approx: bool) -> Plan:
+    keys = keyring.chain(fingerprint, [tokens for tokens, _ in chunks])
+    planned, position, exact_so_far = [], 0, True
+    for (tokens, is_doc), (pkey, ckey) in zip(chunks, keys, strict=True):
+        chunk = PlannedChunk(position, tokens, is_doc, pkey, ckey, exact_context=exact_so_far)
+        entry = store.get(pkey) if (store is not None and use_exact and exact_so_far) else None
+        if entry is not None and entry.token_ids == tokens and entry.start == position:
+            chunk.source, chunk.entry = EXACT, entry
+        elif store is not None and use_approx and is_doc:
+            entry = store.find_content(ckey)
+            if entry is not None and entry.token_ids == tokens:
+                chunk.source, chunk.entry = APPROX, entry
+                exact_so_far = False
+        planned.append(chunk)
+        position += len(tokens)
+    ids = torch.tensor([t for tokens, _ in chunks for t in tokens], dtype=torch.long)
+    return Plan(ids, planned)
+
+
+def assemble(plan: Plan, adapter: ModelAdapter, capacity: int) -> KVBuffers:
+    """Buffers holding every stored chunk's KV at its place (keys re-rotated where it moved)."""
+    cache = adapter.new_buffers(capacity)
+    for chunk in plan.chunks:
+        if chunk.entry is None:
+            continue
+        keys = adapter.rotate_keys(chunk.entry.keys, chunk.start - chunk.entry.start)  # [L, H_kv, S, D]
+        values = chunk.entry.values
+        for layer in range(adapter.num_layers):
+            cache.write(layer, chunk.start, keys[layer], values[layer])
+    return cache

@@ -1,0 +1,53 @@
+"""Frozen configuration: everything that is fixed for the life of an engine.
+
+Per-request state (the prompt, the strategy chosen for it) lives in the engine's call arguments,
+never here. Anything that changes the numbers in a stored KV chunk is part of `ChunkingConfig` and
+so of the model fingerprint (see `keys.model_fingerprint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STRATEGIES = ("full", "prefix", "naive", "selective", "cacheblend")
+
+
+@dataclass(frozen=True)
+class ChunkingConfig:
+    # A document longer than this is split at paragraph, then sentence, then word boundaries.
+    max_chunk_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class RepairConfig:
+    # selective: how many leading tokens of every reused chunk are recomputed.
+    boundary_tokens: int = 16
+    # cacheblend: all tokens run through layers [0, check_layer]; deviation is measured there.
+    check_layer: int = 1
+    # cacheblend: fraction of reused tokens recomputed in the layers after the check layer.
+    recompute_ratio: float = 0.15
+    # cacheblend: how tokens are ranked, "deviation" (the method) or "random" (the control).
+    select: str = "deviation"
+    # cacheblend: seed of the random control, so a bench run is repeatable.
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    # Bytes the in-memory tier may hold (tensors, scales and zero points all counted); None = no limit.
+    memory_budget_bytes: int | None = None
+    # Persistent tier; evicted and newly computed chunks are written here when set.
+    disk_dir: Path | None = None
+    # 16 keeps the compute dtype; 8 and 4 quantize (keys per channel, values per token).
+    kv_bits: int = 16
+    # Quantization group size along the quantized axis.
+    group_size: int = 64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    repair: RepairConfig = field(default_factory=RepairConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)

@@ -1,0 +1,313 @@
+"""The engine: ingest documents as stored KV chunks, answer prompts assembled from them.
+
+    engine = KVBoost.from_pretrained()                 # bundled SmolLM2-135M-Instruct
+    engine.ingest(["doc one ...", "doc two ..."])
+    out = engine.generate(prompt, max_new_tokens=64, strategy="cacheblend")
+
+A request: split the prompt into fixed text and ingested documents, plan where each chunk's KV
+comes from (exact prefix hit, approximate content hit, or compute), assemble the cache, run the
+strategy's prefill (which decides what to recompute), then decode. `ttft_ms` covers all of it up
+to the first token's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from tqdm.auto import tqdm
+
+from . import keys as keyring
+from . import models
+from .adapter import ModelAdapter
+from .assembly import APPROX, COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
+from .chunking import chunk_document
+from .config import STRATEGIES, EngineConfig
+from .documents import Document, DocumentIndex
+from .generation import SamplingParams, TextStream, choose_token
+from .kvcache import KVBuffers
+from .repair.cacheblend import cacheblend_prefill
+from .repair.selective import selective_positions
+from .store import make_store
+from .store.base import KVEntry, KVStore
+
+Messages = Sequence[dict]
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prompt's cache after the strategy's prefill, ready to decode from."""
+
+    plan: Plan
+    cache: KVBuffers
+    logits: torch.Tensor  # [V] fp32, the next-token distribution after the prompt
+    recomputed_tokens: int
+    strategy: str
+    started: float  # perf_counter at the call
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.plan.num_tokens
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.prompt_tokens - self.recomputed_tokens
+
+    @property
+    def exact_tokens(self) -> int:
+        return self.plan.count(EXACT)
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
+    strategy: str
+    ttft_ms: float
+    total_ms: float
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose KV came from the store and was not recomputed
+    exact_tokens: int  # of those, exact prefix hits
+    recomputed_tokens: int  # prompt tokens computed through every layer in this request
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    text: str  # new text since the previous piece
+    token_id: int | None
+    result: Generation | None = None  # set on the last piece only
+
+
+class KVBoost:
+    def __init__(self, loaded: models.LoadedModel, config: EngineConfig = EngineConfig(),
+                 store: KVStore | None = None):
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.adapter = ModelAdapter(loaded.model)
+        self.model_id = loaded.model_id
+        self.fingerprint = keyring.model_fingerprint(
+            model_id=loaded.model_id, weights_digest=loaded.weights_digest,
+            dtype=models.dtype_name(self.adapter.dtype), tokenizer_digest=_tokenizer_digest(self.tokenizer),
+            encoding={"chunking": dataclasses.asdict(config.chunking), "context": "alone"})
+        self.store = store if store is not None else make_store(config.store, self.fingerprint)
+        disk_dir = config.store.disk_dir
+        self.documents = DocumentIndex(Path(disk_dir) / f"documents-{self.fingerprint[:16]}.jsonl"
+                                       if disk_dir else None)
+        self._bos_ids = _bos_ids(self.tokenizer)
+        self._eos_ids = _eos_ids(loaded.model, self.tokenizer)
+        # One forward at a time: the model and the store's write-back are shared by all callers.
+        self.lock = threading.RLock()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
+                        config: EngineConfig | None = None, **config_overrides) -> KVBoost:
+        """The bundled SmolLM2-135M-Instruct when no name is given; else a local folder or hub id."""
+        config = config or EngineConfig(dtype=dtype)
+        if config_overrides:
+            config = dataclasses.replace(config, **config_overrides)
+        return cls(models.load(name_or_path, dtype=config.dtype), config)
+
+    # ---- ingestion -------------------------------------------------------------------------
+
+    def ingest(self, texts: Sequence[str], *, pin: bool = False, progress: bool | None = None) -> list[str]:
+        """Precompute and store the KV of each document; returns their ids. Idempotent."""
+        if isinstance(texts, str):
+            raise TypeError("ingest takes a list of documents; wrap a single one: ingest([text])")
+        ids = []
+        bar = tqdm(texts, desc="ingest", unit="doc", disable=not progress if progress is not None else None)
+        for i, text in enumerate(bar):
+            ids.append(self._ingest_one(text, i, pin).doc_id)
+        return ids
+
+    def document(self, text: str) -> Document:
+        """The ingested form of a document's text (tokens and chunks), made if needed; not stored."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("empty document: every document needs some text; drop empty ones before ingesting")
+        text = text.strip()
+        known = self.documents.get(text)
+        if known is not None:
+            return known
+        token_ids, chunks = chunk_document(text, self.tokenizer, self.config.chunking.max_chunk_tokens)
+        if len(token_ids) > self.adapter.max_context:
+            raise ValueError(f"document of {len(token_ids)} tokens exceeds the model's context window "
+                             f"({self.adapter.max_context}); split it into smaller documents")
+        doc_id = keyring.content_key(self.fingerprint, token_ids).hex()
+        return Document(doc_id, text, tuple(token_ids), tuple(chunks))
+
+    def _ingest_one(self, text: str, index: int, pin: bool) -> Document:
+        try:
+            doc = self.document(text)
+        except ValueError as e:
+            raise ValueError(f"document {index}: {e}") from None
+        keys = keyring.chain(self.fingerprint, doc.chunk_tokens())
+        with self.lock:
+            if not all(self.store.contains(pkey) for pkey, _ in keys):
+                # Computed alone, at positions 0..n-1: the form a content hit is re-rotated from.
+                n = len(doc.token_ids)
+                cache = self.adapter.new_buffers(n)
+                ids = torch.tensor(doc.token_ids)
+                with torch.inference_mode():
+                    self.adapter.run_layers(self.adapter.embed(ids), torch.arange(n), cache,
+                                            range(self.adapter.num_layers), n)
+                # Stored only once every chunk is computed: nothing half-computed is ever stored.
+                for chunk, (pkey, ckey) in zip(doc.chunks, keys, strict=True):
+                    k, v = cache.read(chunk.start, chunk.end)
+                    self.store.put(KVEntry(k, v, doc.token_ids[chunk.start:chunk.end], chunk.start, pkey, ckey),
+                                   pin=pin)
+            self.documents.add(doc)
+        return doc
+
+    # ---- prompts ---------------------------------------------------------------------------
+
+    def render(self, prompt: str | Messages) -> str:
+        """A chat (list of {"role", "content"}) through the model's chat template; a string as it is."""
+        if isinstance(prompt, str):
+            return prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.model_id} has no chat template: pass the prompt as a plain string")
+        return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+
+    def plan(self, prompt: str | Messages, strategy: str) -> Plan:
+        _check_strategy(strategy)
+        segments = split_segments(self.render(prompt), self.documents)
+        chunks = tokenize_segments(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids)
+        if not chunks:
+            raise ValueError("empty prompt: give some text to answer")
+        use_exact = strategy != "full"
+        use_approx = strategy in ("naive", "selective", "cacheblend")
+        return plan(chunks, self.fingerprint, self.store, use_exact, use_approx)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: str | Messages, strategy: str = "cacheblend", *, max_new_tokens: int = 0,
+                write_back: bool = True, repair=None) -> Prefill:
+        """Assemble and prefill the prompt's cache with room for `max_new_tokens` more tokens."""
+        started = time.perf_counter()
+        repair = repair or self.config.repair
+        with self.lock:
+            p = self.plan(prompt, strategy)
+            n = p.num_tokens
+            if n + max_new_tokens > self.adapter.max_context:
+                raise ValueError(f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's "
+                                 f"context window ({self.adapter.max_context}); shorten the prompt or retrieve "
+                                 "fewer documents")
+            cache = assemble(p, self.adapter, n + max_new_tokens)
+            if strategy == "cacheblend":
+                hidden, recomputed = cacheblend_prefill(self.adapter, cache, p, repair)
+            else:
+                if strategy == "selective":
+                    recomputed = selective_positions(p, repair.boundary_tokens)
+                else:  # full, prefix, naive: exactly the tokens without stored KV, and the last one
+                    recomputed = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
+                hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids[recomputed]), recomputed,
+                                                 cache, range(self.adapter.num_layers), n)[:, -1:]
+            logits = self.adapter.logits(hidden)[-1]
+            if write_back and strategy != "full":
+                self._write_back(p, cache)
+        return Prefill(p, cache, logits, int(recomputed.numel()), strategy, started)
+
+    def _write_back(self, p: Plan, cache: KVBuffers) -> None:
+        """Store the chunks this request computed with exact context under their prefix keys."""
+        for chunk in p.chunks:
+            if chunk.source == COMPUTE and chunk.exact_context and not self.store.contains(chunk.prefix_key):
+                k, v = cache.read(chunk.start, chunk.end)
+                self.store.put(KVEntry(k, v, chunk.token_ids, chunk.start, chunk.prefix_key, chunk.content_key))
+
+    # ---- generation ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode_step(self, cache: KVBuffers, token_id: int, position: int) -> torch.Tensor:
+        """Append one token at `position`; returns the next-token logits [V]."""
+        with self.lock:
+            hidden = self.adapter.embed(torch.tensor([token_id]))
+            hidden = self.adapter.run_layers(hidden, torch.tensor([position]), cache,
+                                             range(self.adapter.num_layers), position + 1)
+            return self.adapter.logits(hidden)[-1]
+
+    @torch.inference_mode()
+    def continuation_logits(self, pre: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced: logits after each of `token_ids` appended to the prompt. [T, V] fp32.
+
+        Needs the prefill made with max_new_tokens >= len(token_ids)."""
+        n, t = pre.prompt_tokens, len(token_ids)
+        positions = torch.arange(n, n + t)
+        with self.lock:
+            hidden = self.adapter.run_layers(self.adapter.embed(torch.tensor(list(token_ids))), positions,
+                                             pre.cache, range(self.adapter.num_layers), n + t)
+            return self.adapter.logits(hidden)
+
+    def stream(self, prompt: str | Messages, *, max_new_tokens: int = 64, strategy: str = "cacheblend",
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (),
+               seed: int | None = None, repair=None, write_back: bool = True) -> Iterator[StreamPiece]:
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop), seed)
+        pre = self.prefill(prompt, strategy, max_new_tokens=max_new_tokens, repair=repair, write_back=write_back)
+        ttft_ms = (time.perf_counter() - pre.started) * 1e3
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        text = TextStream(self.tokenizer, params.stop)
+        logits, position, finish = pre.logits, pre.prompt_tokens, "length"
+        # The lock is taken per step, never across a yield: async callers resume us from other threads.
+        for step in range(max_new_tokens):
+            token = choose_token(logits, params, generator)
+            if token in self._eos_ids:
+                finish = "stop"
+                break
+            delta = text.add(token)
+            if text.stopped:
+                finish = "stop"
+                if delta:
+                    yield StreamPiece(delta, token)
+                break
+            yield StreamPiece(delta, token)
+            if step + 1 < max_new_tokens:
+                logits = self.decode_step(pre.cache, token, position)
+                position += 1
+        tail = text.flush()
+        result = Generation(
+            text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=strategy,
+            ttft_ms=ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,
+            prompt_tokens=pre.prompt_tokens, reused_tokens=pre.reused_tokens, exact_tokens=pre.exact_tokens,
+            recomputed_tokens=pre.recomputed_tokens)
+        yield StreamPiece(tail, None, result)
+
+    def generate(self, prompt: str | Messages, **kwargs) -> Generation:
+        """Run `stream` to the end; see it for the arguments."""
+        for piece in self.stream(prompt, **kwargs):
+            if piece.result is not None:
+                return piece.result
+        raise AssertionError("stream ended without a result")
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return xxhash.xxh3_64_hexdigest(repr((type(tokenizer).__name__, vocab)).encode())
+
+
+def _bos_ids(tokenizer) -> tuple[int, ...]:
+    """Special tokens the tokenizer puts before any text (Llama's <s>); none for SmolLM2 or Qwen."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return tuple(special[: len(special) - len(plain)]) if special[-len(plain):] == plain else ()
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids

@@ -1,0 +1,66 @@
+"""Our KV cache: preallocated per-layer buffers that are written at chosen positions.
+
+transformers' DynamicCache only appends. Assembling a prompt from stored chunks, and repairing
+some of its tokens in place, needs K/V written at arbitrary positions while the other positions
+keep what was assembled there. The model's attention modules call `update(k, v, layer_idx, ...)`
+on whatever cache they are given; this class answers that call by scattering the new K/V to
+`write_positions` and handing back the buffer up to `attend_len` to attend over.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVBuffers:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (1, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.capacity = capacity
+        # Set by the driver before each forward: where the new K/V go, how far attention reaches.
+        self.write_positions: torch.Tensor | None = None  # [Q] long, or None for a contiguous run
+        self.write_start = 0
+        self.attend_len = 0
+        # When set, `update` saves what it overwrites at this layer (CacheBlend's deviation check).
+        self.capture_layer: int | None = None
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys, values: [H_kv, S, D] placed at start .. start + S - 1."""
+        n = keys.shape[-2]
+        self.keys[layer][0, :, start:start + n] = keys
+        self.values[layer][0, :, start:start + n] = values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The call transformers' attention makes. key_states, value_states: [1, H_kv, Q, D]."""
+        layer_keys, layer_values = self.keys[layer_idx], self.values[layer_idx]
+        if self.write_positions is None:
+            q = key_states.shape[2]
+            window = slice(self.write_start, self.write_start + q)
+            if layer_idx == self.capture_layer:
+                self.captured = (layer_keys[:, :, window].clone(), layer_values[:, :, window].clone())
+            layer_keys[:, :, window] = key_states
+            layer_values[:, :, window] = value_states
+        else:
+            if layer_idx == self.capture_layer:
+                self.captured = (layer_keys[:, :, self.write_positions].clone(),
+                                 layer_values[:, :, self.write_positions].clone())
+            layer_keys.index_copy_(2, self.write_positions, key_states)
+            layer_values.index_copy_(2, self.write_positions, value_states)
+        return layer_keys[:, :, :self.attend_len], layer_values[:, :, :self.attend_len]
+
+    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers' K/V for positions start .. end - 1: [L, H_kv, S, D] each (copies)."""
+        keys = torch.stack([k[0, :, start:end] for k in self.keys])
+        values = torch.stack([v[0, :, start:end] for v in self.values])
+        return keys, values
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -1,0 +1,22 @@
+"""SelectiveRecompute: recompute the boundary region of every reused chunk.
+
+A chunk encoded alone starts as if it began the text: its first tokens carry a false attention
+sink and none of the context now before them. Recomputing the first `boundary_tokens` of each
+reused chunk (and every uncached token), attending to the whole assembled cache, repairs that
+region; the rest of each chunk is reused as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..assembly import APPROX, COMPUTE, Plan
+
+
+def selective_positions(plan: Plan, boundary_tokens: int) -> torch.Tensor:
+    """Sorted positions to run through all layers: uncached tokens, chunk heads, the last token."""
+    chosen = [plan.positions(COMPUTE), torch.tensor([plan.num_tokens - 1])]
+    for chunk in plan.chunks:
+        if chunk.source == APPROX and boundary_tokens > 0:
+            chosen.append(torch.arange(chunk.start, min(chunk.end, chunk.start + boundary_tokens)))
+    return torch.unique(torch.cat(chosen))  # sorted
