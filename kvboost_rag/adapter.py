@@ -138,6 +138,16 @@ class ModelAdapter:
         return self.model.lm_head(self.inner.norm(hidden))[0].float()
 
     @torch.inference_mode()
+    def reference_kv(self, token_ids: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own forward over `token_ids` alone at positions start..start+S-1.
+
+        Returns keys, values: [L, H_kv, S, D], straight from transformers' DynamicCache."""
+        positions = torch.arange(start, start + token_ids.shape[0], device=self.device)[None]
+        out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=positions, use_cache=True)
+        layers = out.past_key_values.layers
+        return torch.stack([layer.keys[0] for layer in layers]), torch.stack([layer.values[0] for layer in layers])
+
+    @torch.inference_mode()
     def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The model's own forward over the whole sequence, no cache of ours: [S, V]. The truth."""
         out = self.model(input_ids=token_ids.to(self.device)[None], use_cache=False)

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from . import keys as keyring
 from . import models
 from .adapter import ModelAdapter
-from .assembly import APPROX, COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
+from .assembly import COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
 from .chunking import chunk_document
 from .config import STRATEGIES, EngineConfig
 from .documents import Document, DocumentIndex
@@ -50,6 +50,7 @@ class Prefill:
     recomputed_tokens: int
     strategy: str
     started: float  # perf_counter at the call
+    ttft_ms: float  # from the call to these logits, everything included
 
     @property
     def prompt_tokens(self) -> int:
@@ -90,9 +91,9 @@ class StreamPiece:
 
 
 class KVBoost:
-    def __init__(self, loaded: models.LoadedModel, config: EngineConfig = EngineConfig(),
+    def __init__(self, loaded: models.LoadedModel, config: EngineConfig | None = None,
                  store: KVStore | None = None):
-        self.config = config
+        self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.adapter = ModelAdapter(loaded.model)
         self.model_id = loaded.model_id
@@ -212,9 +213,10 @@ class KVBoost:
                 hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids[recomputed]), recomputed,
                                                  cache, range(self.adapter.num_layers), n)[:, -1:]
             logits = self.adapter.logits(hidden)[-1]
+            ttft_ms = (time.perf_counter() - started) * 1e3
             if write_back and strategy != "full":
                 self._write_back(p, cache)
-        return Prefill(p, cache, logits, int(recomputed.numel()), strategy, started)
+        return Prefill(p, cache, logits, int(recomputed.numel()), strategy, started, ttft_ms)
 
     def _write_back(self, p: Plan, cache: KVBuffers) -> None:
         """Store the chunks this request computed with exact context under their prefix keys."""
@@ -249,14 +251,18 @@ class KVBoost:
     def stream(self, prompt: str | Messages, *, max_new_tokens: int = 64, strategy: str = "cacheblend",
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (),
                seed: int | None = None, repair=None, write_back: bool = True) -> Iterator[StreamPiece]:
+        """Prefill with `strategy`, then decode; yields text as it comes, the figures on the last piece."""
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop), seed)
         pre = self.prefill(prompt, strategy, max_new_tokens=max_new_tokens, repair=repair, write_back=write_back)
-        ttft_ms = (time.perf_counter() - pre.started) * 1e3
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return self.stream_from(pre, params)
+
+    def stream_from(self, pre: Prefill, params: SamplingParams) -> Iterator[StreamPiece]:
+        """Decode from a prefilled cache (made with room for params.max_new_tokens)."""
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         text = TextStream(self.tokenizer, params.stop)
         logits, position, finish = pre.logits, pre.prompt_tokens, "length"
         # The lock is taken per step, never across a yield: async callers resume us from other threads.
-        for step in range(max_new_tokens):
+        for step in range(params.max_new_tokens):
             token = choose_token(logits, params, generator)
             if token in self._eos_ids:
                 finish = "stop"
@@ -268,13 +274,13 @@ class KVBoost:
                     yield StreamPiece(delta, token)
                 break
             yield StreamPiece(delta, token)
-            if step + 1 < max_new_tokens:
+            if step + 1 < params.max_new_tokens:
                 logits = self.decode_step(pre.cache, token, position)
                 position += 1
         tail = text.flush()
         result = Generation(
-            text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=strategy,
-            ttft_ms=ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,
+            text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=pre.strategy,
+            ttft_ms=pre.ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,
             prompt_tokens=pre.prompt_tokens, reused_tokens=pre.reused_tokens, exact_tokens=pre.exact_tokens,
             recomputed_tokens=pre.recomputed_tokens)
         yield StreamPiece(tail, None, result)

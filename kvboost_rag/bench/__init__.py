@@ -1,0 +1,1 @@
+"""Benchmark data: item loading, the synthetic and CPython-docs generators, and the shipped sets."""

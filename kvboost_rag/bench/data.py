@@ -1,0 +1,910 @@
+"""Benchmark items: the JSONL format, its loader, and the generators of the shipped sets.
+
+One JSON object a line:
+
+    {"id": str, "system": str (optional), "documents": [str, ...], "question": str,
+     "answers": [str, ...] (optional), "answer_doc": int (optional)}
+
+The prompt is the chat template with `system`, then the documents in order, then the question, in one
+user message. `answer_doc` is the index of the document that holds the answer.
+
+Two generators:
+
+* `synthetic_items`: questions about invented entities. One document holds the answer; the others are
+  look-alikes (same kind of entity, similar names, different values for the same facts), so a cache
+  that blurs documents together picks the wrong value. Exact answers make accuracy measurable.
+* `pydoc_items`: real prose cut from CPython's documentation (`pydoc_data.topics`, shipped with
+  Python), for comparing output distributions against a full prefill. No answers.
+
+Every item is drawn from its own seeded RNG, so the first m items of a set of n are the same items
+as a set of m: a `limit` on a shipped file is a fair sample of it. The pydoc set depends on the
+text of the running Python's docs; the shipped file was cut from CPython 3.11.
+
+Regenerate the shipped files with `python -m kvboost_rag.bench.data shipped`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+SYSTEM = "Answer the question using only the documents. Reply with the answer only."
+PYDOC_SYSTEM = "Answer the question using only the documents."
+
+_KEYS = {"id", "system", "documents", "question", "answers", "answer_doc"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass(frozen=True)
+class BenchItem:
+    id: str
+    documents: tuple[str, ...]
+    question: str
+    system: str | None = None
+    answers: tuple[str, ...] = ()
+    answer_doc: int | None = None
+
+
+def load_items(path: str | Path, limit: int | None = None) -> list[BenchItem]:
+    """Read and check a JSONL benchmark file; the first `limit` items when given.
+
+    Raises ValueError naming the file, the line and what is wrong with it. Blank lines are skipped.
+    """
+    path = Path(path)
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    items: list[BenchItem] = []
+    seen: dict[str, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(items) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                item = _parse_item(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+            if item.id in seen:
+                raise ValueError(f"{path}:{lineno}: duplicate id {item.id!r} (first on line {seen[item.id]})")
+            seen[item.id] = lineno
+            items.append(item)
+    if not items and limit != 0:
+        raise ValueError(f"{path}: no items")
+    return items
+
+
+def _parse_item(line: str) -> BenchItem:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    # Unknown keys are refused: a misspelt "answers" would otherwise silently turn off scoring.
+    unknown = sorted(set(obj) - _KEYS)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(_KEYS)}")
+
+    item_id = _text(obj, "id")
+    question = _text(obj, "question")
+    system = _text(obj, "system") if "system" in obj else None
+
+    docs = obj.get("documents")
+    if not isinstance(docs, list):
+        raise ValueError(f"'documents' must be a list of strings, got {_kind(docs)}")
+    if not docs:
+        raise ValueError("'documents' is empty")
+    for i, doc in enumerate(docs):
+        if not isinstance(doc, str) or not doc.strip():
+            raise ValueError(f"documents[{i}] must be a non-empty string, got {_kind(doc)}")
+
+    answers: tuple[str, ...] = ()
+    if "answers" in obj:
+        raw = obj["answers"]
+        if not isinstance(raw, list) or not raw:
+            raise ValueError(f"'answers' must be a non-empty list of strings, got {_kind(raw)}")
+        for i, a in enumerate(raw):
+            if not isinstance(a, str) or not a.strip():
+                raise ValueError(f"answers[{i}] must be a non-empty string, got {_kind(a)}")
+        answers = tuple(raw)
+
+    answer_doc = obj.get("answer_doc")
+    if answer_doc is not None and (
+        isinstance(answer_doc, bool) or not isinstance(answer_doc, int) or not 0 <= answer_doc < len(docs)
+    ):
+        raise ValueError(f"'answer_doc' must be an index into documents (0..{len(docs) - 1}), "
+                         f"got {answer_doc!r}")
+
+    return BenchItem(item_id, tuple(docs), question, system, answers, answer_doc)
+
+
+def _text(obj: dict, key: str) -> str:
+    if key not in obj:
+        raise ValueError(f"missing '{key}'")
+    value = obj[key]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"'{key}' must be a non-empty string, got {_kind(value)}")
+    return value
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, str):
+        return "an empty string" if not value.strip() else "a string"
+    if isinstance(value, list):
+        return "an empty list" if not value else "a list"
+    return "null" if value is None else type(value).__name__
+
+
+def write_items(items: Iterable[dict], path: str | Path) -> None:
+    with Path(path).open("w", encoding="utf-8") as f:
+        for item in items:
+            f.write(json.dumps(item, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shipped files
+
+
+# name -> (generator, n, k, words per document, seed); `main` rebuilds them, the tests check them.
+SHIPPED = {
+    "synthetic_k8": ("synthetic", 200, 8, 150, 0),
+    "synthetic_calib": ("synthetic", 50, 8, 150, 1000),
+    "pydoc_k8": ("pydoc", 60, 8, 150, 0),
+    "tiny": ("synthetic", 3, 3, 40, 0),
+}
+
+
+def bundled(name: str) -> Path:
+    """Path of a shipped data file, by name: bundled("synthetic_k8")."""
+    stem = name.removesuffix(".jsonl")
+    path = BENCH_DIR / f"{stem}.jsonl"
+    if not path.is_file():
+        available = sorted(p.stem for p in BENCH_DIR.glob("*.jsonl"))
+        raise ValueError(f"no bundled benchmark file {name!r}; available: {', '.join(available) or 'none'}")
+    return path
+
+
+def generate(kind: str, n: int, k_docs: int, words_per_doc: int, seed: int) -> list[dict]:
+    if kind == "synthetic":
+        return synthetic_items(n, k_docs, words_per_doc, seed)
+    if kind == "pydoc":
+        return pydoc_items(n, k_docs, words_per_doc, seed)
+    raise ValueError(f"unknown generator {kind!r}; expected 'synthetic' or 'pydoc'")
+
+
+def _answer_positions(kind: str, seed: int, block: int, k: int) -> list[int]:
+    # Each run of k consecutive items puts the answer once in every position, so the answer's
+    # position is uniform over any set (and within one of uniform over any prefix of it).
+    positions = list(range(k))
+    random.Random(f"{kind}:{seed}:positions:{block}").shuffle(positions)
+    return positions
+
+
+def _answer_position(kind: str, seed: int, i: int, k: int) -> int:
+    return _answer_positions(kind, seed, i // k, k)[i % k]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Synthetic set: invented entities
+#
+# Names are a shared stem plus different endings (Halvorsen, Halvard, Halverton...), so the documents
+# of one item look alike. Filler sentences carry no numbers, names or places: the only values in a
+# document are its facts, and every document of an item gives each fact a different value.
+
+_STEMS = (
+    "Halv", "Brenn", "Ost", "Kest", "Wend", "Rav", "Sel", "Dov", "Gran", "Lind", "Mald", "Pell", "Stav",
+    "Tarr", "Corr", "Fenn", "Garr", "Hask", "Jarv", "Lev", "Morr", "Nord", "Rosk", "Sund", "Tull",
+    "Varr", "Bell", "Carr", "Ell", "Gild",
+)
+# All start with a vowel, and none begins another, so no name is part of a look-alike's name.
+_ENDINGS = (
+    "ard", "orsen", "erton", "ington", "ersby", "enholm", "erfield", "eridge", "ewick", "esford",
+    "ingham", "anby", "ersley", "ecombe", "estad", "ander", "ett", "ory", "umber", "athorpe",
+)
+_FIRST_NAMES = (
+    "Margit", "Tobias", "Ilse", "Edwin", "Rosalind", "Anselm", "Brigitta", "Caspar", "Dagny", "Elias",
+    "Freya", "Gustav", "Hedda", "Ingmar", "Johanna", "Konrad", "Liesel", "Magnus", "Nora", "Oskar",
+    "Petra", "Rupert", "Solveig", "Theodor", "Ursula", "Viggo", "Agnes", "Bertram", "Clara", "Dorothea",
+    "Emil", "Felix", "Greta", "Harald", "Jonas", "Karin", "Leopold", "Matilda", "Edda", "Anton",
+)
+_SURNAMES = (
+    "Lindqvist", "Whitcombe", "Farrant", "Berglund", "Castellan", "Drummond", "Eckhart", "Falk", "Gorrie",
+    "Hartwell", "Jessop", "Kinloch", "Lomax", "Mortensen", "Navarre", "Ormerod", "Pryce", "Quayle",
+    "Rasmussen", "Strand", "Tennant", "Vance", "Wexley", "Yardley", "Abbott", "Blackwood", "Cromer",
+    "Dunning", "Ellery", "Fairbairn", "Grieve", "Holloway", "Ingram", "Kershaw", "Lyle", "Marlowe",
+    "Nesbitt", "Pennock", "Rook", "Thistlewood", "Upjohn", "Vesey", "Wardle",
+)
+_TOWNS = (
+    "Amberlow", "Coldharbour", "Dunmere", "Eastwold", "Fallowmead", "Greyhaven", "Hollin Cross",
+    "Millbeck", "Northwick", "Oakhollow", "Pebblestone", "Redfern", "Saltmarsh", "Underhill",
+    "Westerleigh", "Wrenfold", "Yarrowby", "Ashcombe", "Birchmoor", "Copperfield", "Deepdale", "Elmstead",
+    "Foxley", "Glenmorrow", "Inchbrook", "Lowater", "Marram Sands", "Netherby", "Orchard Vale",
+    "Port Sennet", "Quarry Hill", "Rookhaven", "Stonecross", "Tarnside", "Whinfell",
+)
+_RIVERS = (
+    "Aldwen", "Brisk", "Carrow", "Dunnet", "Elvane", "Glassen", "Harle", "Isbel", "Jorva", "Kelden",
+    "Lenna", "Merrow", "Nyle", "Orvel", "Pasca", "Quillan", "Rhee", "Sarne", "Tolley", "Ussel", "Vantry",
+    "Wending", "Zell",
+)
+_MOUNTAINS = (
+    "Tessel", "Arvel", "Corrin", "Brasse", "Dunhallow", "Errick", "Falden", "Gorsa", "Hennet", "Illary",
+    "Jorden", "Kaskel", "Lorrimer", "Mellan", "Nessock", "Ouse Fell", "Prowle", "Quarne", "Redhallow",
+    "Skarra",
+)
+
+
+@dataclass(frozen=True)
+class _Fact:
+    key: str
+    value: str  # "year", "count", "person", "town", "river" or "mountain"
+    statements: tuple[str, ...]  # one is picked per document
+    question: str
+    lo: int = 0  # range of a year or count
+    hi: int = 0
+
+
+@dataclass(frozen=True)
+class _Kind:
+    key: str
+    core: str  # the exact name of the entity, from the stem and the flavour slots
+    article: str  # "the " where the name takes one in running text
+    ref: str  # how fillers refer to it
+    flavours: tuple[dict, ...]  # one per item: subtype, product... so items of one kind differ
+    openers: tuple[str, ...]
+    facts: tuple[_Fact, ...]
+    fillers: tuple[str, ...]
+
+
+_COMPANY = _Kind(
+    key="company",
+    core="{stem} {trade}",
+    article="the ",
+    ref="the {place}",
+    flavours=(
+        {"trade": "Brewing Company", "place": "brewery", "product": "ales"},
+        {"trade": "Rope Works", "place": "works", "product": "ropes"},
+        {"trade": "Piano Company", "place": "company", "product": "pianos"},
+        {"trade": "Biscuit Company", "place": "bakery", "product": "biscuits"},
+        {"trade": "Candle Works", "place": "works", "product": "candles"},
+        {"trade": "Clock Company", "place": "workshop", "product": "clocks"},
+    ),
+    openers=(
+        "{Name} is a maker of {product} with a long local history.",
+        "{Name} is a family business known for its {product}.",
+        "{Name} has made {product} for many generations.",
+    ),
+    facts=(
+        _Fact("founded", "year", (
+            "{Name} was founded in {value}.",
+            "It was in {value} that {name} was founded.",
+            "{Name} was first founded in the year {value}.",
+        ), "In what year was {name} founded?", 1760, 1960),
+        _Fact("employees", "count", (
+            "{Name} employs {value} people.",
+            "Today {name} employs {value} people.",
+            "The workforce of {name} numbers {value} people.",
+        ), "How many people does {name} employ?", 40, 9800),
+        _Fact("founder", "person", (
+            "{Name} was founded by {value}.",
+            "The founder of {name} was {value}.",
+            "{value} founded {name}.",
+        ), "Who founded {name}?"),
+        _Fact("town", "town", (
+            "{Name} is based in the town of {value}.",
+            "The headquarters of {name} are in the town of {value}.",
+            "{Name} has its home in the town of {value}.",
+        ), "In which town is {name} based?"),
+    ),
+    fillers=(
+        "{Ref} began as a small family workshop and grew slowly over several generations.",
+        "Visitors often remark on the busy sounds that drift from the yard on warm afternoons.",
+        "Much of the original building still stands, although the roof was replaced after a severe storm.",
+        "Its {product} are sold in shops and markets throughout the surrounding district.",
+        "Local historians have written at length about the early years of {ref}.",
+        "The firm has always preferred to train its own workers rather than hire from outside.",
+        "A small museum beside the main gate tells the story of how {product} were made in earlier times.",
+        "During difficult winters {ref} kept its doors open and paid its workers in full.",
+        "The company crest, a heron standing in reeds, appears on every crate that leaves the yard.",
+        "{Ref} has won praise at regional fairs for the quality and consistency of its {product}.",
+        "Its managers have turned down several offers to sell the business to larger rivals.",
+        "Each spring the staff hold a modest celebration in the courtyard to mark the new season.",
+        "The old delivery carts were replaced by motor vans long ago, but one cart is kept on display.",
+        "Critics have sometimes called its methods old-fashioned, yet customers remain loyal.",
+        "Apprentices at {ref} spend their first months learning every stage of the work by hand.",
+        "The archive of {ref} holds letters, order books and drawings from its earliest days.",
+        "Nearby residents regard {ref} as a landmark and a source of steady local work.",
+        "A fire once destroyed the storehouse, and rebuilding it took the better part of a year.",
+        "Today the business is run by a small board that still meets in the original office.",
+    ),
+)
+
+_TOWN = _Kind(
+    key="town",
+    core="{stem}",
+    article="",
+    ref="the town",
+    flavours=({"region": "valley"}, {"region": "county"}, {"region": "district"}),
+    openers=(
+        "{Name} is a market town in a quiet part of the {region}.",
+        "{Name} is a small town with a long and varied history.",
+        "{Name} is an old town known across the {region} for its weekly market.",
+    ),
+    facts=(
+        _Fact("charter", "year", (
+            "{Name} received its town charter in {value}.",
+            "The charter that made {name} a town was granted in {value}.",
+            "{Name} was granted its town charter in {value}.",
+        ), "In what year did the town of {name} receive its charter?", 1150, 1890),
+        _Fact("population", "count", (
+            "{Name} has a population of {value}.",
+            "The population of {name} stands at {value}.",
+            "{Name} is home to a population of {value}.",
+        ), "What is the population of the town of {name}?", 1200, 96000),
+        _Fact("river", "river", (
+            "{Name} stands on the River {value}.",
+            "The River {value} flows through the middle of {name}.",
+            "{Name} was built on the banks of the River {value}.",
+        ), "On which river does the town of {name} stand?"),
+        _Fact("mayor", "person", (
+            "The current mayor of {name} is {value}.",
+            "{Name} is led by its mayor, {value}.",
+            "{value} serves as the mayor of {name}.",
+        ), "Who is the mayor of the town of {name}?"),
+    ),
+    fillers=(
+        "The town grew up around a market square that is still used on Saturdays.",
+        "The parish church, built of grey local stone, stands at the top of the high street.",
+        "Many of the older houses have steep slate roofs and narrow windows.",
+        "The town is surrounded by farmland, orchards and low wooded hills.",
+        "A weekly newspaper has been printed in the town for as long as anyone can remember.",
+        "In summer the streets fill with walkers who come to explore the countryside nearby.",
+        "Its railway station was closed for some years but reopened after a local campaign.",
+        "The old grammar school now serves as a library and community hall.",
+        "Residents take great pride in the flower displays that line the main bridge each spring.",
+        "A small museum displays tools, maps and photographs from earlier centuries.",
+        "The annual fair draws visitors from villages across the whole {region}.",
+        "Several inns claim to be the oldest in the town, and the argument has never been settled.",
+        "Weaving and boatbuilding were once important trades, though few people follow them today.",
+        "The council has worked hard to protect the historic centre from heavy traffic.",
+        "Local bakers are known for a dark fruit loaf that is sold only in the autumn.",
+        "Footpaths lead from the edge of the town to a ruined abbey in the woods.",
+        "The town hall clock is said to have stopped only once, on the night of a great storm.",
+        "Young people often leave for the cities, but many return in later life.",
+    ),
+)
+
+_PERSON = _Kind(
+    key="person",
+    core="{first} {stem}",
+    article="",
+    ref="{stem}",
+    flavours=(
+        {"profession": "painter", "works": "paintings", "did": "completed", "do": "complete",
+         "field": "painting", "room": "studio"},
+        {"profession": "composer", "works": "songs", "did": "wrote", "do": "write",
+         "field": "music", "room": "music room"},
+        {"profession": "botanist", "works": "plant species", "did": "described", "do": "describe",
+         "field": "botany", "room": "glasshouse"},
+        {"profession": "cartographer", "works": "maps", "did": "drew", "do": "draw",
+         "field": "map-making", "room": "drawing office"},
+        {"profession": "poet", "works": "poems", "did": "published", "do": "publish",
+         "field": "poetry", "room": "study"},
+        {"profession": "architect", "works": "buildings", "did": "designed", "do": "design",
+         "field": "architecture", "room": "drawing office"},
+    ),
+    openers=(
+        "{Name} was a {profession} whose work is still admired today.",
+        "{Name} was a {profession} of quiet but lasting reputation.",
+        "Among the {profession}s of that era, {name} stands out for patient, careful work.",
+    ),
+    facts=(
+        _Fact("born", "year", (
+            "{Name} was born in {value}.",
+            "Records show that {name} was born in the year {value}.",
+            "The {profession} {name} was born in {value}.",
+        ), "In what year was the {profession} {name} born?", 1720, 1950),
+        _Fact("birthplace", "town", (
+            "{Name} was born in the town of {value}.",
+            "The town of {value} was the birthplace of {name}.",
+            "{Name} came from the town of {value}.",
+        ), "In which town was the {profession} {name} born?"),
+        _Fact("works", "count", (
+            "{Name} {did} {value} {works} in total.",
+            "Over a long career, {name} {did} {value} {works}.",
+            "In all, {name} {did} {value} {works}.",
+        ), "How many {works} did the {profession} {name} {do}?", 12, 900),
+        _Fact("teacher", "person", (
+            "The teacher of {name} was {value}.",
+            "{Name} studied {field} under {value}.",
+            "{Name} was taught {field} by {value}.",
+        ), "Who was the teacher of the {profession} {name}?"),
+    ),
+    fillers=(
+        "{Ref} worked slowly and often revised a piece many times before calling it finished.",
+        "Friends described {ref} as modest, generous and rather shy in company.",
+        "Much of the best work was done in a small {room} overlooking a garden.",
+        "Critics were divided at first, but opinion warmed over the following decades.",
+        "{Ref} travelled widely and filled many notebooks with sketches and observations.",
+        "Surviving letters reveal a sharp sense of humour and a love of long walks.",
+        "In later life {ref} took on a few pupils and was remembered as a patient teacher.",
+        "Several manuscripts were lost in a flood and never recovered.",
+        "The work of {ref} is now held in public collections and private libraries alike.",
+        "{Ref} never sought fame and rarely spoke about {field} in public.",
+        "A small society devoted to the study of this work meets every few years.",
+        "Younger colleagues have often named {ref} as an important influence.",
+        "Money was often short, and {ref} sometimes took odd jobs to pay the rent.",
+        "{Ref} kept a strict daily routine, working from early morning until noon.",
+        "A biography written long afterwards brought the work to a much wider audience.",
+        "Many details of {ref}'s private life remain uncertain.",
+        "Those who knew {ref} said that every conversation returned sooner or later to {field}.",
+    ),
+)
+
+_SHIP = _Kind(
+    key="ship",
+    core="{vessel} {stem}",
+    article="the ",
+    ref="the ship",
+    flavours=(
+        {"vessel": "steamship"}, {"vessel": "schooner"}, {"vessel": "clipper"},
+        {"vessel": "paddle steamer"}, {"vessel": "barque"},
+    ),
+    openers=(
+        "{Name} was a ship that sailed for many years along the northern coast.",
+        "{Name} was a well-known vessel of her day.",
+        "{Name} was a sturdy vessel, remembered by sailors long after her last voyage.",
+    ),
+    facts=(
+        _Fact("launched", "year", (
+            "{Name} was launched in {value}.",
+            "It was in {value} that {name} was launched.",
+            "{Name} was launched from the shipyard in {value}.",
+        ), "In what year was {name} launched?", 1780, 1960),
+        _Fact("crew", "count", (
+            "{Name} carried a crew of {value}.",
+            "A crew of {value} sailed aboard {name}.",
+            "{Name} needed a crew of {value} sailors.",
+        ), "How many crew did {name} carry?", 12, 480),
+        _Fact("captain", "person", (
+            "{Name} was commanded by Captain {value}.",
+            "The captain of {name} was {value}.",
+            "Captain {value} commanded {name}.",
+        ), "Who was the captain of {name}?"),
+        _Fact("port", "town", (
+            "The home port of {name} was {value}.",
+            "{Name} sailed from her home port of {value}.",
+            "{Name} had her home port at {value}.",
+        ), "What was the home port of {name}?"),
+    ),
+    fillers=(
+        "Her hull was painted dark green, with a narrow white band below the rail.",
+        "On calm days she could be seen from the cliffs long before she reached the harbour.",
+        "The ship carried timber, grain and mail, and sometimes a handful of passengers.",
+        "Storms in the northern waters tested her many times, yet she was never badly damaged.",
+        "Her cook was famous among sailors for a thick fish stew served on cold nights.",
+        "A carved figure of a seabird decorated her bow.",
+        "Passengers wrote of cramped cabins but a friendly and cheerful company on board.",
+        "In harbour the ship was a favourite subject for local painters.",
+        "Her logbooks, kept in careful handwriting, survive in a maritime archive.",
+        "Ice in the northern channels sometimes forced her to wait for days at anchor.",
+        "The ship was refitted more than once, and each refit made her a little faster.",
+        "Children would gather on the quay whenever she came in to unload.",
+        "A model of the ship stands in the window of a harbour tavern.",
+        "Her final voyage was made in quiet weather, and she was broken up soon after.",
+        "Insurance records describe her as sound, well kept and reliably handled.",
+        "Sailors considered a berth on board a lucky posting.",
+        "The bell from the ship now hangs in a small chapel near the docks.",
+    ),
+)
+
+_OBSERVATORY = _Kind(
+    key="observatory",
+    core="{stem} Observatory",
+    article="the ",
+    ref="the observatory",
+    flavours=({"subject": "faint stars"}, {"subject": "comets"}, {"subject": "the planets"},
+              {"subject": "variable stars"}),
+    openers=(
+        "{Name} is a small research station devoted to the study of the night sky.",
+        "{Name} is one of the oldest astronomical observatories in the region.",
+        "{Name} is an observatory known for its clear skies and careful records.",
+    ),
+    facts=(
+        _Fact("founded", "year", (
+            "{Name} was founded in {value}.",
+            "It was in {value} that {name} was founded.",
+            "{Name} was first founded in the year {value}.",
+        ), "In what year was {name} founded?", 1780, 1990),
+        _Fact("elevation", "count", (
+            "{Name} stands at an elevation of {value} metres.",
+            "{Name} sits {value} metres above sea level.",
+            "At {value} metres above sea level, {name} enjoys thin, dry air.",
+        ), "How many metres above sea level is {name}?", 300, 4200),
+        _Fact("director", "person", (
+            "The first director of {name} was {value}.",
+            "{value} served as the first director of {name}.",
+            "In its early years {name} was led by its first director, {value}.",
+        ), "Who was the first director of {name}?"),
+        _Fact("mountain", "mountain", (
+            "{Name} stands on the summit of {value}.",
+            "{Name} was built high on the slopes of {value}.",
+            "{Name} is perched on the top of {value}.",
+        ), "On which mountain does {name} stand?"),
+    ),
+    fillers=(
+        "The main dome turns on iron wheels and can be opened in a matter of minutes.",
+        "Astronomers there have kept nightly weather records since the very first winter.",
+        "A narrow mountain road leads up to the gates, and it is often closed by snow.",
+        "Much of the early work there concerned the study of {subject}.",
+        "The library holds star charts, logbooks and letters from astronomers abroad.",
+        "On open evenings, visitors may look through the smaller telescopes.",
+        "Lights in the valley below are kept low to protect the dark sky.",
+        "The staff live on site for weeks at a time during the observing season.",
+        "A small weather station beside the dome measures wind, cloud and humidity.",
+        "Its photographic plates of {subject} are still consulted by researchers.",
+        "Funding has always been modest, and much of the equipment was built by hand.",
+        "The observatory has trained many young astronomers who later worked elsewhere.",
+        "Clear, dry air makes the site well suited to careful measurement.",
+        "In winter the buildings are heated by a single large stove.",
+        "A collection of old instruments is displayed in the entrance hall.",
+        "Reports from the observatory are published in a modest yearly bulletin.",
+        "Meteor showers draw crowds of visitors to the slopes below the dome.",
+    ),
+)
+
+KINDS = (_COMPANY, _TOWN, _PERSON, _SHIP, _OBSERVATORY)
+
+
+def synthetic_items(n: int, k_docs: int = 8, words_per_doc: int = 150, seed: int = 0) -> list[dict]:
+    """`n` multi-document QA items about invented entities; one answer-bearing document among `k_docs`."""
+    _check_sizes(n, k_docs, words_per_doc)
+    return [_synthetic_item(i, k_docs, words_per_doc, seed)[0] for i in range(n)]
+
+
+def _synthetic_item(i: int, k: int, words: int, seed: int) -> tuple[dict, list[str]]:
+    """Item `i` of the set, and the exact entity name each document is about (the tests use them)."""
+    rng = random.Random(f"synthetic:{seed}:{i}")
+    target = _answer_position("synthetic", seed, i, k)
+    # Redraw the rare item where a value shows up by chance in another document (a year inside a
+    # count, a river name inside a town name): an answer must be found in its document only.
+    for _ in range(100):
+        item, names = _draw_item(rng, k, words, target)
+        if _unambiguous(item, names[target]):
+            item["id"] = f"syn{seed}-{i:04d}-{item.pop('_tag')}"
+            return _ordered(item), names
+    raise RuntimeError(f"could not draw an unambiguous synthetic item {i} (seed {seed})")
+
+
+def _draw_item(rng: random.Random, k: int, words: int, target: int) -> tuple[dict, list[str]]:
+    kind = rng.choice(KINDS)
+    flavour = dict(rng.choice(kind.flavours))
+    stems = _look_alike_stems(rng, k)
+    flavour["first"] = rng.choice(_FIRST_NAMES)  # shared, so people differ by surname only
+    fact = rng.choice(kind.facts)
+    values = {f.key: _draw_values(rng, f, k) for f in kind.facts}
+
+    docs, names = [], []
+    for j in range(k):
+        slots = {**flavour, "stem": stems[j]}
+        core = kind.core.format(**slots)
+        slots.update(name=kind.article + core, Name=_cap(kind.article + core))
+        slots.update(ref=kind.ref.format(**slots))
+        slots["Ref"] = _cap(slots["ref"])
+        doc_values = {f.key: values[f.key][j] for f in kind.facts}
+        docs.append(_write_document(rng, kind, slots, doc_values, words))
+        names.append(core)
+
+    q_slots = {**flavour, "stem": stems[target], "name": kind.article + names[target]}
+    item = {
+        "system": SYSTEM,
+        "documents": docs,
+        "question": fact.question.format(**q_slots),
+        "answers": _answer_forms(fact.value, values[fact.key][target]),
+        "answer_doc": target,
+        "_tag": f"{kind.key}-{fact.key}",
+    }
+    return item, names
+
+
+def _look_alike_stems(rng: random.Random, k: int) -> list[str]:
+    # One stem per item with different endings; more stems only when k outruns the endings.
+    stems = rng.sample(_STEMS, -(-k // len(_ENDINGS)))
+    names = [s + e for s in stems for e in _ENDINGS]
+    return [n.capitalize() for n in rng.sample(names, k)]
+
+
+def _draw_values(rng: random.Random, fact: _Fact, k: int) -> list[str]:
+    # Distinct across the documents of an item, so no distractor shares the answer.
+    if fact.value == "year":
+        return [str(y) for y in rng.sample(range(fact.lo, fact.hi + 1), k)]
+    if fact.value == "count":
+        return [f"{c:,}" for c in rng.sample(range(fact.lo, fact.hi + 1), k)]
+    if fact.value == "person":
+        # Distinct surnames too: an answer of just a surname still points at one document.
+        return [f"{rng.choice(_FIRST_NAMES)} {s}" for s in _sample(rng, _SURNAMES, k)]
+    if fact.value == "town":
+        return _sample(rng, _TOWNS, k)
+    if fact.value == "river":
+        return _sample(rng, _RIVERS, k)
+    if fact.value == "mountain":
+        return [f"Mount {m}" for m in _sample(rng, _MOUNTAINS, k)]
+    raise ValueError(f"unknown value type {fact.value!r}")
+
+
+def _sample(rng: random.Random, pool: Sequence[str], k: int) -> list[str]:
+    if k > len(pool):
+        raise ValueError(f"k_docs={k} is more than the {len(pool)} distinct values available")
+    return rng.sample(pool, k)
+
+
+def _answer_forms(value_type: str, value: str) -> list[str]:
+    """The value as written, then looser forms a correct reply might take."""
+    forms = [value]
+    if value_type == "count" and "," in value:
+        forms.append(value.replace(",", ""))
+    elif value_type == "river":
+        forms = [f"River {value}", value]
+    elif value_type == "mountain":
+        forms.append(value.removeprefix("Mount "))
+    return forms
+
+
+def _write_document(rng: random.Random, kind: _Kind, slots: dict, values: dict, words: int) -> str:
+    # Opener first (it introduces the entity), then the facts scattered among filler sentences.
+    opener = rng.choice(kind.openers).format(**slots)
+    facts = [_cap(rng.choice(f.statements).format(**slots, value=values[f.key])) for f in kind.facts]
+    total = _count_words(opener) + sum(_count_words(s) for s in facts)
+    fillers = []
+    for template in rng.sample(kind.fillers, len(kind.fillers)):
+        sentence = template.format(**slots)
+        # Stop at the sentence that lands nearest the target length.
+        if total + _count_words(sentence) / 2 > words:
+            break
+        fillers.append(sentence)
+        total += _count_words(sentence)
+    body = facts + fillers
+    rng.shuffle(body)
+    sentences = [opener, *body]
+    # Two paragraphs once there is enough text, as a short article would have.
+    if len(sentences) >= 8:
+        cut = len(sentences) // 2
+        return " ".join(sentences[:cut]) + "\n\n" + " ".join(sentences[cut:])
+    return " ".join(sentences)
+
+
+def _unambiguous(item: dict, target_name: str) -> bool:
+    docs, answers, target = item["documents"], item["answers"], item["answer_doc"]
+    if answers[0] not in docs[target]:
+        return False
+    others = [d for j, d in enumerate(docs) if j != target]
+    return not any(a in d or target_name in d for a in answers for d in others)
+
+
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _ordered(item: dict) -> dict:
+    # A stable key order keeps the JSONL readable and diffs small.
+    return {key: item[key] for key in ("id", "system", "documents", "question", "answers", "answer_doc")
+            if key in item}
+
+
+def _count_words(text: str) -> int:
+    return len(text.split())
+
+
+def _check_sizes(n: int, k_docs: int, words_per_doc: int) -> None:
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if k_docs < 1:
+        raise ValueError(f"k_docs must be >= 1, got {k_docs}")
+    if words_per_doc < 1:
+        raise ValueError(f"words_per_doc must be >= 1, got {words_per_doc}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real-text set: passages of CPython's documentation
+
+
+@dataclass(frozen=True)
+class Passage:
+    topic: str  # key in pydoc_data.topics.topics
+    heading: str  # the section the passage is cut from
+    text: str  # the heading, a blank line, then the paragraphs
+
+
+_UNDERLINE = re.compile(r"([*=\-~^])\1+")
+_PIECES = re.compile(r"\w+|[^\w\s]")  # words and symbols: a rough, tokenizer-free token count
+_STATEMENT = re.compile(r'The "([^"]+)" statement')
+_CLAUSE = re.compile(r'"([^"]+)" clause')
+_GENERIC_QUESTIONS = (
+    'Based on the documents, explain briefly what the documentation says about "{h}".',
+    'Using the documents, summarise in two or three sentences the section "{h}".',
+    'According to the documents, what are the main points of the section "{h}"?',
+)
+
+
+def pydoc_items(n: int, k_docs: int = 8, words_per_doc: int = 150, seed: int = 0) -> list[dict]:
+    """`n` items of `k_docs` passages of CPython's docs, each from a different topic and section."""
+    _check_sizes(n, k_docs, words_per_doc)
+    passages = pydoc_passages(words_per_doc)
+    # Targets are taken in a seeded order, so no passage is asked about twice until all have been.
+    order = list(range(len(passages)))
+    random.Random(f"pydoc:{seed}:order").shuffle(order)
+    return [_pydoc_item(i, passages, passages[order[i % len(order)]], k_docs, seed) for i in range(n)]
+
+
+def _pydoc_item(i: int, passages: list[Passage], target: Passage, k: int, seed: int) -> dict:
+    rng = random.Random(f"pydoc:{seed}:{i}")
+    # Different topics and different sections: several topics repeat one section ("with" and
+    # "compound" both hold 'The "with" statement'), and the question must point at one passage.
+    topics, headings = {target.topic}, {target.heading.casefold()}
+    chosen = []
+    for p in rng.sample(passages, len(passages)):
+        if len(chosen) == k - 1:
+            break
+        if p.topic in topics or p.heading.casefold() in headings:
+            continue
+        chosen.append(p)
+        topics.add(p.topic)
+        headings.add(p.heading.casefold())
+    if len(chosen) < k - 1:
+        raise ValueError(f"k_docs={k} is more than the {len(chosen) + 1} distinct topics available")
+    pos = _answer_position("pydoc", seed, i, k)
+    chosen.insert(pos, target)
+    return {
+        "id": f"pydoc{seed}-{i:04d}-{target.topic}",
+        "system": PYDOC_SYSTEM,
+        "documents": [p.text for p in chosen],
+        "question": _pydoc_question(rng, target.heading),
+        "answer_doc": pos,
+    }
+
+
+def _pydoc_question(rng: random.Random, heading: str) -> str:
+    m = _STATEMENT.fullmatch(heading)
+    if m:
+        return f"Based on the documents, explain briefly what the `{m.group(1)}` statement does."
+    m = _CLAUSE.fullmatch(heading)
+    if m:
+        return f"Based on the documents, explain briefly what the `{m.group(1)}` clause does."
+    return rng.choice(_GENERIC_QUESTIONS).format(h=heading.replace('"', "`"))
+
+
+def pydoc_passages(words_per_doc: int = 150) -> list[Passage]:
+    """Every topic cut into passages of about `words_per_doc` words, one section each, no duplicates."""
+    from pydoc_data.topics import topics
+
+    passages, seen = [], set()
+    for topic in sorted(topics):
+        for heading, paragraphs in _sections(topics[topic]):
+            for body in _split_section(heading, paragraphs, words_per_doc):
+                text = heading + "\n\n" + "\n\n".join(body)
+                # Symbol-dense passages (format examples, literal grammars) cost far more tokens than
+                # their word count suggests; leaving them out keeps documents near the intended size.
+                if len(_PIECES.findall(text)) > 2.5 * words_per_doc:
+                    continue
+                if text not in seen:
+                    seen.add(text)
+                    passages.append(Passage(topic, heading, text))
+    return passages
+
+
+def _sections(text: str) -> list[tuple[str, list[str]]]:
+    """(heading, paragraphs) for each section of a topic; tables and footnotes left out."""
+    text = text.split("-[ Footnotes ]-")[0]  # notes cut off from the text they annotate
+    lines = [line.rstrip() for line in text.splitlines()]
+    sections: list[tuple[str, list[str]]] = []
+    block: list[str] = []
+
+    def close_block() -> None:
+        if block and sections and not _is_table(block):
+            sections[-1][1].append("\n".join(block))
+        block.clear()
+
+    underline_at = -1
+    for i, line in enumerate(lines):
+        nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        if line.strip() and _UNDERLINE.fullmatch(nxt) and len(nxt) == len(line.strip()):
+            close_block()
+            sections.append((line.strip(), []))
+            underline_at = i + 1
+        elif i == underline_at:
+            continue
+        elif not line.strip():
+            close_block()
+        else:
+            block.append(line)
+    close_block()
+    return sections
+
+
+def _is_table(block: list[str]) -> bool:
+    # Grid tables cost several tokens a word; they would blow the token size a word count implies.
+    return sum(line.lstrip().startswith(("+", "|")) for line in block) > len(block) / 2
+
+
+def _split_section(heading: str, paragraphs: list[str], words: int) -> list[list[str]]:
+    """Paragraphs grouped into passages near `words` long; a section too short for one is dropped."""
+    pieces = [p for para in paragraphs for p in _split_long(para, words)]
+    total = _count_words(heading) + sum(_count_words(p) for p in pieces)
+    if total < words / 2:
+        return []
+    parts = max(1, round(total / words))
+    size = total / parts
+    groups: list[list[str]] = [[]]
+    filled = _count_words(heading)
+    for piece in pieces:
+        w = _count_words(piece)
+        if groups[-1] and len(groups) < parts and filled + w / 2 > size:
+            groups.append([])
+            filled = _count_words(heading)
+        groups[-1].append(piece)
+        filled += w
+    return [g for g in groups if _count_words(heading) + sum(_count_words(p) for p in g) >= words / 2]
+
+
+def _split_long(paragraph: str, words: int) -> list[str]:
+    # A long code block or list has no blank lines to cut at; cut it between lines instead.
+    if _count_words(paragraph) <= 1.5 * words:
+        return [paragraph]
+    pieces, current, count = [], [], 0
+    for line in paragraph.splitlines():
+        if current and count + _count_words(line) > words:
+            pieces.append("\n".join(current))
+            current, count = [], 0
+        current.append(line)
+        count += _count_words(line)
+    if current:
+        pieces.append("\n".join(current))
+    return pieces
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvboost_rag.bench.data",
+        description="Write benchmark items as JSONL. 'shipped' rebuilds the files bundled with the package.",
+    )
+    parser.add_argument("kind", choices=("synthetic", "pydoc", "shipped"))
+    parser.add_argument("--n", type=int, default=100, help="number of items")
+    parser.add_argument("--k", type=int, default=8, help="documents per item")
+    parser.add_argument("--words", type=int, default=150, help="about this many words per document")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="output file (default: stdout)")
+    args = parser.parse_args(argv)
+
+    if args.kind == "shipped":
+        for name, (kind, n, k, words, seed) in SHIPPED.items():
+            path = BENCH_DIR / f"{name}.jsonl"
+            write_items(generate(kind, n, k, words, seed), path)
+            print(f"wrote {path} ({n} items)", file=sys.stderr)
+        return 0
+
+    items = generate(args.kind, args.n, args.k, args.words, args.seed)
+    if args.out is None:
+        for item in items:
+            sys.stdout.write(json.dumps(item, ensure_ascii=False) + "\n")
+    else:
+        write_items(items, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The RAG benchmark: every strategy on the same prompts, in one run, against a full prefill.
+
+Per item, strategies run interleaved (their order rotated from item to item), after a warm-up, and
+each is compared with `full` on the same tokens:
+
+- ttft_ms: call to first-token logits; speedup: full's TTFT / this TTFT, median over items.
+- accuracy: an expected answer appears in the output (case-insensitive), where answers exist.
+- agreement: the first `agree_tokens` generated tokens equal full's.
+- first_token_kl / continuation_kl: KL(full || strategy) at the first token, and averaged over
+  full's greedy output fed to both (teacher forcing): how far the cache is from the truth.
+- recompute_fraction / reuse_fraction: prompt tokens computed through every layer / reused.
+
+A strategy spec is a name with optional repair overrides: "cacheblend:recompute_ratio=0.3,select=random".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import STRATEGIES, RepairConfig
+from ..engine import KVBoost
+from ..generation import SamplingParams
+from .data import BenchItem
+
+FULL = "full"
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    label: str
+    strategy: str
+    repair: RepairConfig
+
+
+def parse_strategies(text: str, base: RepairConfig) -> list[StrategySpec]:
+    """"full,naive,cacheblend:recompute_ratio=0.3" -> specs; `full` always comes first."""
+    specs, names = [], [s.strip() for s in text.split(";" if ";" in text else ",") if s.strip()]
+    fields = {f.name: f.type for f in dataclasses.fields(RepairConfig)}
+    for label in names:
+        name, _, overrides = label.partition(":")
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r} in --strategies; use {', '.join(STRATEGIES)}")
+        repair = base
+        for pair in filter(None, overrides.split("+") if "+" in overrides else [overrides]):
+            key, _, value = pair.partition("=")
+            if key not in fields:
+                raise ValueError(f"unknown repair setting {key!r} in {label!r}; use {', '.join(fields)}")
+            current = getattr(base, key)
+            repair = dataclasses.replace(repair, **{key: type(current)(value)})
+        specs.append(StrategySpec(label, name, repair))
+    if FULL not in [s.label for s in specs]:
+        specs.insert(0, StrategySpec(FULL, FULL, base))
+    return sorted(specs, key=lambda s: s.label != FULL)
+
+
+def render_prompt(item: BenchItem) -> list[dict]:
+    """The model's chat template: the system text, then the documents in order, then the question."""
+    user = "\n\n".join(item.documents) + f"\n\nQuestion: {item.question}"
+    messages = [{"role": "system", "content": item.system}] if item.system else []
+    return messages + [{"role": "user", "content": user}]
+
+
+def kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) per row. logits: [T, V] -> [T]."""
+    ref_logp, other_logp = reference.log_softmax(-1), other.log_softmax(-1)
+    return (ref_logp.exp() * (ref_logp - other_logp)).sum(-1).clamp_min(0)
+
+
+@dataclass
+class Sample:
+    ttft_ms: float
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    recomputed_tokens: int
+    reused_tokens: int
+    distributions: torch.Tensor  # [T, V] logits: first token, then after each of full's tokens
+    correct: bool | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_new_tokens: int,
+             rotate: int) -> dict[str, Sample]:
+    prompt = render_prompt(item)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    order = specs[rotate % len(specs):] + specs[:rotate % len(specs)]
+    samples: dict[str, Sample] = {}
+    prefills = {}  # kept for teacher forcing below
+    for spec in order:  # timed part: interleaved
+        pre = engine.prefill(prompt, spec.strategy, max_new_tokens=max_new_tokens, write_back=False,
+                             repair=spec.repair)
+        result = list(engine.stream_from(pre, params))[-1].result
+        samples[spec.label] = Sample(pre.ttft_ms, result.text, result.token_ids, pre.prompt_tokens,
+                                     pre.recomputed_tokens, pre.reused_tokens, pre.logits[None])
+        prefills[spec.label] = pre
+    # Quality: every strategy's cache scored on full's greedy continuation.
+    reference_tokens = list(samples[FULL].token_ids)
+    for label, sample in samples.items():
+        if len(reference_tokens) > 1:
+            cont = engine.continuation_logits(prefills[label], reference_tokens[:-1])
+            sample.distributions = torch.cat([sample.distributions, cont])
+    return samples
+
+
+def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> None:
+    full = samples[FULL]
+    for sample in samples.values():
+        n = min(len(sample.distributions), len(full.distributions))
+        per_token = kl(full.distributions[:n], sample.distributions[:n])
+        sample.metrics = {
+            "ttft_ms": sample.ttft_ms,
+            "speedup": full.ttft_ms / sample.ttft_ms,
+            "agreement": float(sample.token_ids[:agree_tokens] == full.token_ids[:agree_tokens]),
+            "first_token_kl": float(per_token[0]),
+            "continuation_kl": float(per_token.mean()),
+            "recompute_fraction": sample.recomputed_tokens / sample.prompt_tokens,
+            "reuse_fraction": sample.reused_tokens / sample.prompt_tokens,
+            "prompt_tokens": sample.prompt_tokens,
+        }
+        if item.answers:
+            text = sample.text.lower()
+            sample.metrics["accuracy"] = float(any(a.lower() in text for a in item.answers))
+
+
+def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, dict]:
+    summary = {}
+    for label in labels:
+        rows = [item[label] for item in per_item]
+        entry = {
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in rows),
+            "speedup": statistics.median(r["speedup"] for r in rows),
+        }
+        for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "recompute_fraction",
+                    "reuse_fraction", "prompt_tokens"):
+            values = [r[key] for r in rows if key in r]
+            entry[key] = statistics.fmean(values) if values else None
+        summary[label] = entry
+    return summary
+
+
+def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec], *, max_new_tokens: int = 16,
+              agree_tokens: int = 16, progress: bool = True) -> dict:
+    """Ingest every document (untimed), warm up, then measure; returns the JSON-ready report."""
+    started = time.perf_counter()
+    engine.ingest([d for item in items for d in item.documents], progress=progress)
+    # Classic prefix caching keeps the shared system prompt: store it once, as a server would have.
+    for item in items[:1]:
+        rendered = engine.render(render_prompt(item))
+        first_doc = min((rendered.find(d.strip()) for d in item.documents if d.strip() in rendered), default=-1)
+        if first_doc > 0:
+            engine.prefill(rendered[:first_doc], "prefix")
+        run_item(engine, item, specs, max_new_tokens, 0)  # warm-up, discarded
+    per_item = []
+    for i, item in enumerate(tqdm(items, desc="bench", unit="item", disable=not progress)):
+        samples = run_item(engine, item, specs, max_new_tokens, i)
+        score(samples, item, agree_tokens)
+        per_item.append({label: s.metrics for label, s in samples.items()} | {"id": item.id})
+    labels = [s.label for s in specs]
+    return {
+        "model": engine.model_id,
+        "dtype": engine.config.dtype,
+        "kv_bits": engine.config.store.kv_bits,
+        "items": len(items),
+        "max_new_tokens": max_new_tokens,
+        "agree_tokens": agree_tokens,
+        "seconds": round(time.perf_counter() - started, 1),
+        "strategies": summarize([{k: v for k, v in r.items() if k != "id"} for r in per_item], labels),
+        "per_item": per_item,
+    }

@@ -1,0 +1,46 @@
+"""`kvboost-rag ask --docs PATH... "question"`: answer from documents, with timing and reuse figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..bench.data import BenchItem
+from ..bench.run import render_prompt
+from .common import add_engine_options, add_strategy_option, make_engine, read_documents
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ask", help="answer a question from documents (ingesting them if needed)")
+    p.add_argument("question")
+    p.add_argument("--docs", nargs="+", type=Path, required=True, help="text files or folders, in prompt order")
+    p.add_argument("--system", default="Answer the question using only the documents.")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--compare", action="store_true", help="also answer with a full prefill and compare")
+    add_strategy_option(p)
+    add_engine_options(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.question.strip():
+        raise ValueError("empty question: ask something")
+    docs = [text.strip() for _, text in read_documents(args.docs)]
+    engine = make_engine(args)
+    engine.ingest(docs, progress=True)
+    prompt = render_prompt(BenchItem(id="ask", documents=tuple(docs), question=args.question, system=args.system))
+    runs = [args.strategy] + (["full"] if args.compare and args.strategy != "full" else [])
+    for strategy in runs:
+        out = None
+        print(f"[{strategy}] ", end="", flush=True)
+        for piece in engine.stream(prompt, max_new_tokens=args.max_new_tokens, strategy=strategy,
+                                   temperature=args.temperature):
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+            out = piece.result or out
+        print(f"\n  ttft {out.ttft_ms:.1f} ms | prompt {out.prompt_tokens} tokens: reused {out.reused_tokens} "
+              f"(exact {out.exact_tokens}), recomputed {out.recomputed_tokens} | {out.generated_tokens} new "
+              f"tokens in {out.total_ms:.0f} ms ({out.finish_reason})")
+    return 0

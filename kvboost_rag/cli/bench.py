@@ -1,0 +1,41 @@
+"""`kvboost-rag bench --data FILE.jsonl`: TTFT and quality of every strategy against a full prefill."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..bench.data import load_items
+from ..bench.report import plot, table
+from ..bench.run import parse_strategies, run_bench
+from .common import add_engine_options, engine_config, make_engine
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark strategies against a full prefill (TTFT, accuracy, KL)")
+    p.add_argument("--data", type=Path, required=True, help="JSONL: {id, system?, documents, question, answers?}")
+    p.add_argument("--strategies", default="full,prefix,naive,selective,cacheblend",
+                   help="comma list; a strategy may carry repair overrides joined by '+', "
+                        "e.g. 'cacheblend:recompute_ratio=0.3+select=random'")
+    p.add_argument("--limit", type=int, default=None, help="first N items")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--json", type=Path, default=None, help="write the report here")
+    p.add_argument("--plot", type=Path, default=None, help="PNG: speed-up vs continuation KL and accuracy")
+    add_engine_options(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    items = load_items(args.data, limit=args.limit)
+    specs = parse_strategies(args.strategies, engine_config(args).repair)
+    engine = make_engine(args)
+    report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens)
+    report["command_args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
+    print(table(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, str(args.plot))
+    return 0

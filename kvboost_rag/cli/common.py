@@ -1,0 +1,70 @@
+"""Options shared by the subcommands: the model, dtype, store and repair settings, and reading documents."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..config import STRATEGIES, EngineConfig, RepairConfig, StoreConfig
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local HF folder or hub id (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--store", type=Path, default=None, help="persistent KV store folder (disk tier)")
+    g.add_argument("--memory-budget", type=int, default=None, help="bytes the in-memory tier may hold")
+    g.add_argument("--kv-bits", type=int, default=16, choices=[16, 8, 4], help="stored KV precision")
+    g.add_argument("--max-chunk-tokens", type=int, default=512)
+    r = parser.add_argument_group("repair")
+    r.add_argument("--boundary-tokens", type=int, default=RepairConfig.boundary_tokens, help="selective: k")
+    r.add_argument("--recompute-ratio", type=float, default=RepairConfig.recompute_ratio, help="cacheblend: r")
+    r.add_argument("--check-layer", type=int, default=RepairConfig.check_layer, help="cacheblend: check layer")
+    r.add_argument("--select", default=RepairConfig.select, choices=["deviation", "random"],
+                   help="cacheblend: rank reused tokens by KV deviation, or pick at random (the control)")
+
+
+def add_strategy_option(parser: argparse.ArgumentParser, default: str = "cacheblend") -> None:
+    parser.add_argument("--strategy", default=default, choices=STRATEGIES)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from ..config import ChunkingConfig
+
+    return EngineConfig(
+        dtype=args.dtype,
+        chunking=ChunkingConfig(max_chunk_tokens=args.max_chunk_tokens),
+        repair=RepairConfig(boundary_tokens=args.boundary_tokens, recompute_ratio=args.recompute_ratio,
+                            check_layer=args.check_layer, select=args.select),
+        store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
+    )
+
+
+def make_engine(args: argparse.Namespace):
+    from ..engine import KVBoost
+
+    return KVBoost.from_pretrained(args.model, config=engine_config(args))
+
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
+
+
+def read_documents(paths: list[Path]) -> list[tuple[Path, str]]:
+    """Each file is one document; a folder contributes its text files (recursively, sorted)."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or folder")
+    if not files:
+        raise ValueError(f"no text files ({', '.join(sorted(TEXT_SUFFIXES))}) found in {', '.join(map(str, paths))}")
+    docs = []
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise ValueError(f"{f} is empty: remove it or give it some text")
+        docs.append((f, text))
+    return docs

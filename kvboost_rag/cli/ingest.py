@@ -1,0 +1,31 @@
+"""`kvboost-rag ingest PATH... [--store DIR]`: precompute and store the KV of documents."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .common import add_engine_options, make_engine, read_documents
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ingest", help="precompute and store document KV (one document per text file)")
+    p.add_argument("paths", nargs="+", type=Path, help="text files or folders of them")
+    p.add_argument("--pin", action="store_true", help="never evict these documents from memory")
+    add_engine_options(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    docs = read_documents(args.paths)
+    engine = make_engine(args)
+    started = time.perf_counter()
+    ids = engine.ingest([text for _, text in docs], pin=args.pin, progress=True)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(engine.document(text).token_ids) for _, text in docs)
+    nbytes = getattr(engine.store, "nbytes", None)
+    print(f"documents {len(ids)}  tokens {tokens}  "
+          + (f"bytes {nbytes:,}  " if nbytes is not None else "")
+          + f"seconds {seconds:.1f}" + (f"  store {args.store}" if args.store else ""))
+    return 0

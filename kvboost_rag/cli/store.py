@@ -1,0 +1,176 @@
+"""`kvboost-rag store stats|verify|prune DIR`: look after a disk KV store without loading a model.
+
+stats reads only file headers (fast); verify reads every file and checks its checksum; prune
+removes damaged files, then optionally the least recently used ones to meet a size or age limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+from kvboost_rag.store.disk import (
+    SUFFIX,
+    TEMP_SUFFIX,
+    BadEntryFile,
+    list_entry_files,
+    prune_dir,
+    read_header,
+    verify_dir,
+)
+
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `store` and its subcommands on the top-level dispatcher's subparsers."""
+    parser = subparsers.add_parser(
+        "store",
+        help="inspect, verify and prune a disk KV store",
+        description="Look after a disk KV store: stats reads headers only, verify checks every file, "
+        "prune removes damaged files and optionally the least recently used ones.",
+    )
+    commands = parser.add_subparsers(dest="store_command", required=True, metavar="{stats,verify,prune}")
+
+    stats = commands.add_parser("stats", help="files, bytes, tokens and models in DIR (headers only)")
+    verify = commands.add_parser("verify", help="read every file in DIR and check it; exit 1 if any is bad")
+    prune = commands.add_parser("prune", help="remove damaged files, then LRU files to meet the limits")
+    for sub in (stats, verify, prune):
+        sub.add_argument("dir", type=Path, metavar="DIR", help="the store's disk_dir")
+        sub.add_argument("--json", action="store_true", help="print a JSON report instead of text")
+    for sub in (verify, prune):
+        sub.add_argument(
+            "--fingerprint",
+            help="model fingerprint the files must carry (others count as foreign); default: accept any",
+        )
+    prune.add_argument(
+        "--max-bytes", type=parse_size, help="keep at most this much, e.g. 500M or 20G (1024-based)"
+    )
+    prune.add_argument("--max-age-days", type=float, help="remove files not read for this many days")
+    prune.add_argument("--remove-foreign", action="store_true", help="also remove other fingerprints' files")
+    prune.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
+    parser.set_defaults(func=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.dir.is_dir():
+        print(f"kvboost-rag store: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    if args.store_command == "stats":
+        return _stats(args)
+    if args.store_command == "verify":
+        return _verify(args)
+    if args.remove_foreign and args.fingerprint is None:
+        print("kvboost-rag store prune: --remove-foreign needs --fingerprint", file=sys.stderr)
+        return 2
+    return _prune(args)
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 500M or 20G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _stats(args: argparse.Namespace) -> int:
+    by_model: dict[str, Counter] = {}
+    unreadable = 0
+    for path in list_entry_files(args.dir):
+        try:
+            meta = read_header(path)
+            shape = json.loads(meta["key_shape"])  # [L, H_kv, S, D]
+            model = by_model.setdefault(meta.get("fingerprint", "?"), Counter())
+            model["files"] += 1
+            model["bytes"] += path.stat().st_size
+            model["tokens"] += shape[2]
+            model[f"kv_bits={meta.get('kv_bits', '?')}"] += 1
+        except (BadEntryFile, KeyError, ValueError, IndexError, OSError):
+            unreadable += 1
+    report = dict(
+        directory=str(args.dir),
+        files=sum(m["files"] for m in by_model.values()) + unreadable,
+        bytes=sum(m["bytes"] for m in by_model.values()),
+        unreadable=unreadable,
+        temp_files=len(list(args.dir.glob(f".*{TEMP_SUFFIX}"))),
+        fingerprints={fp: dict(sorted(m.items())) for fp, m in sorted(by_model.items())},
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['directory']}: {report['files']} entry files, {_human(report['bytes'])}")
+    for fp, m in report["fingerprints"].items():
+        bits = ", ".join(f"{k} x{v}" for k, v in m.items() if k.startswith("kv_bits"))
+        print(f"  fingerprint {fp}: {m['files']} files, {_human(m['bytes'])}, {m['tokens']} tokens ({bits})")
+    if unreadable:
+        print(f"  {unreadable} files with unreadable headers (run `kvboost-rag store verify {args.dir}`)")
+    if report["temp_files"]:
+        print(f"  {report['temp_files']} temp files (interrupted or in-flight writes)")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = verify_dir(args.dir, args.fingerprint)
+    if args.json:
+        doc = dict(
+            directory=str(args.dir),
+            good=len(report.good),
+            foreign=[str(p) for p in report.foreign],
+            bad={str(p): why for p, why in report.bad.items()},
+            fingerprints=report.fingerprints,
+            temp_files=[str(p) for p in report.temp_files],
+        )
+        print(json.dumps(doc, indent=2))
+        return 0 if report.ok else 1
+    print(f"{args.dir}: {len(report.good)} good, {len(report.bad)} bad, {len(report.foreign)} foreign")
+    for fp, n in sorted(report.fingerprints.items()):
+        mark = "" if args.fingerprint in (None, fp) else " (foreign)"
+        print(f"  fingerprint {fp}: {n} intact files{mark}")
+    for path, why in report.bad.items():
+        print(f"  BAD {path.name}: {why}")
+    if not report.ok:
+        print(f"run `kvboost-rag store prune {args.dir}` to remove the bad files; they are recomputed on use")
+    return 0 if report.ok else 1
+
+
+def _prune(args: argparse.Namespace) -> int:
+    report = prune_dir(
+        args.dir,
+        args.fingerprint,
+        max_bytes=args.max_bytes,
+        max_age_s=None if args.max_age_days is None else args.max_age_days * 86400.0,
+        remove_foreign=args.remove_foreign,
+        dry_run=args.dry_run,
+    )
+    if args.json:
+        doc = dict(
+            directory=str(args.dir),
+            dry_run=report.dry_run,
+            removed=[dict(file=str(p), why=why) for p, why in report.removed],
+            freed_bytes=report.freed_bytes,
+            kept_files=report.kept_files,
+            kept_bytes=report.kept_bytes,
+        )
+        print(json.dumps(doc, indent=2))
+        return 0
+    verb = "would remove" if report.dry_run else "removed"
+    for path, why in report.removed:
+        print(f"  {verb} {path.name}: {why}")
+    print(
+        f"{args.dir}: {verb} {len(report.removed)} files ({_human(report.freed_bytes)}); "
+        f"kept {report.kept_files} {SUFFIX} files ({_human(report.kept_bytes)})"
+    )
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

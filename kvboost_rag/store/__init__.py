@@ -1,0 +1,33 @@
+"""Where document KV lives between requests: memory (budgeted, optionally quantized) and disk."""
+
+from kvboost_rag.store.base import KVEntry, KVStore
+from kvboost_rag.store.disk import (
+    DiskStore,
+    PruneReport,
+    StoreIntegrityWarning,
+    VerifyReport,
+    prune_dir,
+    verify_dir,
+)
+from kvboost_rag.store.memory import MemoryStore, eviction_score
+from kvboost_rag.store.quant import QuantizedKV, StoredEntry, dequantize_kv, quantize_kv
+from kvboost_rag.store.tiered import TieredStore, make_store
+
+__all__ = [
+    "DiskStore",
+    "KVEntry",
+    "KVStore",
+    "MemoryStore",
+    "PruneReport",
+    "QuantizedKV",
+    "StoreIntegrityWarning",
+    "StoredEntry",
+    "TieredStore",
+    "VerifyReport",
+    "dequantize_kv",
+    "eviction_score",
+    "make_store",
+    "prune_dir",
+    "quantize_kv",
+    "verify_dir",
+]

@@ -1,0 +1,553 @@
+"""The persistent tier: one safetensors file per entry, checked on every read.
+
+A file is `<prefix_key hex>.safetensors`; its metadata says which format, model fingerprint and
+quantization wrote it, and carries an xxh3_128 checksum over the metadata and every tensor byte.
+Files are written atomically (temp file in the same directory, fsync, os.replace), so a crash
+leaves the old file or the new one, never half of one. A damaged, foreign or unknown-version file
+is never served: `get` warns, naming the file, and returns None so the caller recomputes.
+
+A small JSON index maps content keys to prefix keys for `find_content`. It is only a cache of the
+files' headers: on open it is reconciled with the directory (files it lacks are read, files gone
+are dropped), so a missing, stale or corrupt index costs a scan, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors import safe_open
+from safetensors.torch import save
+
+from kvboost_rag.store.base import KVEntry, KVStore
+from kvboost_rag.store.quant import QuantizedKV, StoredEntry, decode_entry, encode_entry
+
+FORMAT_VERSION = 1
+SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".tmp"
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+}
+
+
+class StoreIntegrityWarning(UserWarning):
+    """A stored KV file was ignored because it is damaged, foreign or of another format version."""
+
+
+class BadEntryFile(Exception):
+    """A KV file that must not be served; `str()` says what is wrong with it."""
+
+
+# -- one file ----------------------------------------------------------------------------------
+
+
+def entry_path(directory: Path, prefix_key: bytes) -> Path:
+    return Path(directory) / f"{prefix_key.hex()}{SUFFIX}"
+
+
+def write_entry(path: Path, stored: StoredEntry, fingerprint: str) -> None:
+    """Write `stored` to `path` atomically."""
+    tensors = {"token_ids": torch.tensor(stored.token_ids, dtype=torch.int64)}
+    if stored.raw is not None:
+        tensors["keys"], tensors["values"] = stored.raw
+        key_shape, value_shape = stored.raw[0].shape, stored.raw[1].shape
+        group_size = 0
+    else:
+        tensors.update(stored.quantized.tensors())
+        key_shape, value_shape = stored.quantized.key_shape, stored.quantized.value_shape
+        group_size = stored.quantized.group_size
+    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    meta = {
+        "format_version": str(FORMAT_VERSION),
+        "fingerprint": fingerprint,
+        "kv_bits": str(stored.bits),
+        "group_size": str(group_size),
+        "dtype": str(stored.dtype).removeprefix("torch."),
+        "start": str(stored.start),
+        "key_shape": json.dumps(list(key_shape)),
+        "value_shape": json.dumps(list(value_shape)),
+        "prefix_key": stored.prefix_key.hex(),
+        "content_key": stored.content_key.hex(),
+    }
+    meta["checksum"] = _checksum(meta, tensors)
+    _atomic_write(path, save(tensors, metadata=meta))
+
+
+def read_header(path: Path) -> dict[str, str]:
+    """The file's metadata, without reading or checking its tensors. Raises BadEntryFile."""
+    with _open(path) as f:
+        return _metadata(f)
+
+
+def read_entry(path: Path, *, fingerprint: str | None = None, prefix_key: bytes | None = None) -> StoredEntry:
+    """Read and check a file: format version, fingerprint (when given), prefix key (when given),
+    checksum, tensor layout. Raises BadEntryFile on any failure, FileNotFoundError when absent."""
+    # One open for metadata and tensors: a concurrent os.replace cannot mix two versions.
+    with _open(path) as f:
+        meta = _metadata(f)
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            version = meta.get("format_version")
+            raise BadEntryFile(f"format version {version!r}, this kvboost-rag reads {FORMAT_VERSION}")
+        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+            raise BadEntryFile(
+                f"written for model fingerprint {meta.get('fingerprint')!r}, not {fingerprint!r}"
+            )
+        if prefix_key is not None and meta.get("prefix_key") != prefix_key.hex():
+            raise BadEntryFile(f"holds prefix key {meta.get('prefix_key')}, not the one its name says")
+        try:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+        except Exception as e:
+            raise BadEntryFile(f"unreadable ({e})") from e
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    if meta.get("checksum") != _checksum(body, tensors):
+        raise BadEntryFile("checksum mismatch (the file was damaged after it was written)")
+    try:
+        return _stored_from(meta, tensors)
+    except (KeyError, ValueError, TypeError) as e:
+        raise BadEntryFile(f"inconsistent contents ({e})") from e
+
+
+@contextlib.contextmanager
+def _open(path: Path):
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error type for every kind of damage
+        if not Path(path).exists():
+            raise FileNotFoundError(path) from e  # absent or removed meanwhile: a miss, not damage
+        raise BadEntryFile(f"unreadable ({e})") from e
+    with f:
+        yield f
+
+
+def _metadata(f) -> dict[str, str]:
+    meta = f.metadata()
+    if not meta:
+        raise BadEntryFile("no kvboost-rag metadata")
+    return meta
+
+
+def _stored_from(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> StoredEntry:
+    bits = int(meta["kv_bits"])
+    common = dict(
+        token_ids=tuple(tensors["token_ids"].tolist()),
+        start=int(meta["start"]),
+        prefix_key=bytes.fromhex(meta["prefix_key"]),
+        content_key=bytes.fromhex(meta["content_key"]),
+        dtype=_DTYPES[meta["dtype"]],
+    )
+    key_shape, value_shape = tuple(json.loads(meta["key_shape"])), tuple(json.loads(meta["value_shape"]))
+    if bits == 16:
+        keys, values = tensors["keys"], tensors["values"]
+        if tuple(keys.shape) != key_shape or tuple(values.shape) != value_shape:
+            raise ValueError("tensor shapes differ from the recorded ones")
+        return StoredEntry(**common, raw=(keys, values))
+    q = QuantizedKV.from_tensors(tensors, key_shape, value_shape, bits, int(meta["group_size"]))
+    return StoredEntry(**common, quantized=q)
+
+
+def _checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """xxh3_128 over the metadata and every tensor's name, dtype, shape and bytes, in name order."""
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path = Path(path)
+    # Unique per writer, so concurrent writers of one key never share a temp file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _warn_bad(path: Path, problem: str) -> None:
+    warnings.warn(
+        f"kvboost-rag: ignoring stored KV file {path}: {problem}. The chunk will be recomputed and the "
+        f"file overwritten; run `kvboost-rag store verify {path.parent}` to check the directory and "
+        f"`kvboost-rag store prune {path.parent}` to remove damaged files.",
+        StoreIntegrityWarning,
+        stacklevel=3,
+    )
+
+
+# -- the whole directory ----------------------------------------------------------------------
+
+
+@dataclass
+class VerifyReport:
+    """What `verify_dir` found. `foreign`: intact files of another fingerprint (when one is given)."""
+
+    good: list[Path] = field(default_factory=list)
+    bad: dict[Path, str] = field(default_factory=dict)  # file -> what is wrong with it
+    foreign: list[Path] = field(default_factory=list)
+    fingerprints: dict[str, int] = field(default_factory=dict)  # intact files per fingerprint
+    temp_files: list[Path] = field(default_factory=list)  # left by interrupted writes (or in flight)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+
+@dataclass
+class PruneReport:
+    removed: list[tuple[Path, str]]  # file, why
+    freed_bytes: int
+    kept_files: int
+    kept_bytes: int
+    dry_run: bool
+
+
+def list_entry_files(directory: Path) -> list[Path]:
+    return sorted(p for p in Path(directory).glob(f"*{SUFFIX}") if p.is_file())
+
+
+def verify_dir(directory: str | os.PathLike, fingerprint: str | None = None) -> VerifyReport:
+    """Read and check every entry file (checksums included). Without a fingerprint, any intact
+    file is good and `fingerprints` says how many each model wrote."""
+    report = VerifyReport(temp_files=sorted(Path(directory).glob(f".*{TEMP_SUFFIX}")))
+    for path in list_entry_files(Path(directory)):
+        try:
+            read_entry(path, prefix_key=bytes.fromhex(path.stem))
+            owner = read_header(path)["fingerprint"]
+        except FileNotFoundError:
+            continue  # removed while we looked
+        except ValueError:
+            report.bad[path] = "the file name is not a prefix key"
+            continue
+        except (BadEntryFile, KeyError) as e:
+            report.bad[path] = str(e)
+            continue
+        report.fingerprints[owner] = report.fingerprints.get(owner, 0) + 1
+        (report.good if fingerprint in (None, owner) else report.foreign).append(path)
+    return report
+
+
+def prune_dir(
+    directory: str | os.PathLike,
+    fingerprint: str | None = None,
+    *,
+    max_bytes: int | None = None,
+    max_age_s: float | None = None,
+    remove_foreign: bool = False,
+    dry_run: bool = False,
+    temp_grace_s: float = 3600.0,
+) -> PruneReport:
+    """Remove bad files and stale temp files; then, least recently used first (reads bump a file's
+    mtime), good files unused for `max_age_s` and as many as it takes to fit `max_bytes`. Intact
+    files of another fingerprint are kept unless `remove_foreign`."""
+    report = verify_dir(directory, fingerprint)
+    now = time.time()
+    sizes = {
+        p: st.st_size
+        for p in [*report.bad, *report.temp_files, *report.good, *report.foreign]
+        if (st := _stat(p)) is not None
+    }
+    doomed = [(p, f"damaged: {why}") for p, why in report.bad.items()]
+    doomed += [(p, "stale temp file") for p in report.temp_files if now - _mtime(p) > temp_grace_s]
+    if remove_foreign:
+        doomed += [(p, "written for another model fingerprint") for p in report.foreign]
+    kept = [p for p in report.good + ([] if remove_foreign else report.foreign) if p in sizes]
+    kept_bytes = sum(sizes[p] for p in kept)
+    for path in sorted((p for p in report.good if p in sizes), key=_mtime):
+        if max_age_s is not None and now - _mtime(path) > max_age_s:
+            why = f"unused for more than {max_age_s:.0f} s"
+        elif max_bytes is not None and kept_bytes > max_bytes:
+            why = f"over the {max_bytes}-byte target"
+        else:
+            continue
+        doomed.append((path, why))
+        kept.remove(path)
+        kept_bytes -= sizes[path]
+    if not dry_run:
+        for path, _ in doomed:
+            path.unlink(missing_ok=True)
+    freed = sum(sizes.get(p, 0) for p, _ in doomed)
+    return PruneReport(doomed, freed, len(kept), kept_bytes, dry_run)
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
+
+
+def _mtime(path: Path) -> float:
+    st = _stat(path)
+    return st.st_mtime if st is not None else 0.0
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+
+class DiskStore(KVStore):
+    """Entries as files under `directory`, served only to the model with this `fingerprint`.
+
+    Entries are written at `kv_bits` / `group_size`; a file written at other settings is still
+    served, at its own precision (files describe themselves).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        fingerprint: str,
+        *,
+        kv_bits: int = 16,
+        group_size: int = 64,
+        index_flush_every: int = 16,
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.kv_bits = kv_bits
+        self.group_size = group_size
+        self.index_flush_every = max(1, index_flush_every)
+        self.index_path = self.directory / f"index-{xxhash.xxh3_64_hexdigest(fingerprint.encode())}.json"
+        self._lock = threading.Lock()
+        self._content_of: dict[str, str] = {}  # prefix hex -> content hex, files of our fingerprint
+        self._by_content: dict[str, set[str]] = {}  # content hex -> prefix hexes
+        self._others: set[str] = set()  # files known not to be ours (foreign or unreadable)
+        # Files found bad on read: not `contains`, so the caller recomputes and put() overwrites them.
+        self._bad: set[str] = set()
+        self._unflushed = 0
+        self._counts = dict(hits=0, misses=0, bad=0, writes=0)
+        self._sync_index()
+
+    # -- KVStore -----------------------------------------------------------------------------
+
+    def contains(self, prefix_key: bytes) -> bool:
+        """A file is there and has not failed a read (files are checked in full only by get)."""
+        with self._lock:
+            if prefix_key.hex() in self._bad:
+                return False
+        return entry_path(self.directory, prefix_key).is_file()
+
+    def get(self, prefix_key: bytes) -> KVEntry | None:
+        stored = self.get_stored(prefix_key)
+        return None if stored is None else decode_entry(stored)
+
+    def find_content(self, content_key: bytes) -> KVEntry | None:
+        stored = self.find_content_stored(content_key)
+        return None if stored is None else decode_entry(stored)
+
+    def put(self, entry: KVEntry, *, pin: bool = False) -> None:
+        # pin means nothing here: files are only removed by remove() and prune().
+        self.put_stored(encode_entry(entry, self.kv_bits, self.group_size))
+
+    def remove(self, prefix_key: bytes) -> None:
+        entry_path(self.directory, prefix_key).unlink(missing_ok=True)
+        with self._lock:
+            self._forget(prefix_key.hex())
+
+    def close(self) -> None:
+        self.flush()
+
+    # -- stored form -------------------------------------------------------------------------
+
+    def put_stored(self, stored: StoredEntry) -> None:
+        write_entry(entry_path(self.directory, stored.prefix_key), stored, self.fingerprint)
+        with self._lock:
+            self._counts["writes"] += 1
+            self._bad.discard(stored.prefix_key.hex())
+            self._remember(stored.prefix_key.hex(), stored.content_key.hex())
+
+    def get_stored(self, prefix_key: bytes) -> StoredEntry | None:
+        path = entry_path(self.directory, prefix_key)
+        try:
+            stored = read_entry(path, fingerprint=self.fingerprint, prefix_key=prefix_key)
+        except FileNotFoundError:
+            with self._lock:
+                self._counts["misses"] += 1
+                self._forget(prefix_key.hex())
+            return None
+        except BadEntryFile as e:
+            with self._lock:
+                self._counts["bad"] += 1
+                first = prefix_key.hex() not in self._bad
+                self._bad.add(prefix_key.hex())
+            if first:  # once per file, not on every request that trips over it
+                _warn_bad(path, str(e))
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # mtime = last use, so prune by age or size drops the least recently used
+        with self._lock:
+            self._counts["hits"] += 1
+            self._bad.discard(prefix_key.hex())  # repaired meanwhile, e.g. by another process
+            self._remember(prefix_key.hex(), stored.content_key.hex())  # may come from another process
+        return stored
+
+    def find_content_stored(self, content_key: bytes) -> StoredEntry | None:
+        with self._lock:
+            candidates = list(self._by_content.get(content_key.hex(), ()))
+        # Any context will do; the most recently used (mtime is bumped on reads) comes first.
+        candidates.sort(key=lambda p: _mtime(self.directory / f"{p}{SUFFIX}"), reverse=True)
+        for prefix_hex in candidates:
+            stored = self.get_stored(bytes.fromhex(prefix_hex))
+            if stored is not None and stored.content_key == content_key:
+                return stored
+        return None
+
+    # -- maintenance ---------------------------------------------------------------------------
+
+    def verify(self) -> VerifyReport:
+        """Check every file in the directory against this store's fingerprint; see `verify_dir`."""
+        return verify_dir(self.directory, self.fingerprint)
+
+    def prune(
+        self,
+        *,
+        max_bytes: int | None = None,
+        max_age_s: float | None = None,
+        remove_foreign: bool = False,
+        dry_run: bool = False,
+    ) -> PruneReport:
+        """Remove bad files, and more to meet the limits; see `prune_dir`. The index follows."""
+        report = prune_dir(
+            self.directory,
+            self.fingerprint,
+            max_bytes=max_bytes,
+            max_age_s=max_age_s,
+            remove_foreign=remove_foreign,
+            dry_run=dry_run,
+        )
+        if dry_run:
+            return report
+        with self._lock:
+            for path, _ in report.removed:
+                self._forget(path.stem)
+            self._write_index()
+        return report
+
+    def flush(self) -> None:
+        """Write the index now (it is otherwise written every `index_flush_every` changes)."""
+        with self._lock:
+            self._write_index()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(entries=len(self._content_of), other_files=len(self._others), **self._counts)
+
+    # -- the index (helpers called with the lock held, except _sync_index) ----------------------
+
+    def _remember(self, prefix_hex: str, content_hex: str) -> None:
+        if self._content_of.get(prefix_hex) == content_hex:
+            return
+        self._forget(prefix_hex)
+        self._content_of[prefix_hex] = content_hex
+        self._by_content.setdefault(content_hex, set()).add(prefix_hex)
+        self._changed()
+
+    def _forget(self, prefix_hex: str) -> None:
+        self._bad.discard(prefix_hex)
+        changed = prefix_hex in self._others
+        self._others.discard(prefix_hex)
+        content_hex = self._content_of.pop(prefix_hex, None)
+        if content_hex is not None:
+            changed = True
+            group = self._by_content[content_hex]
+            group.discard(prefix_hex)
+            if not group:
+                del self._by_content[content_hex]
+        if changed:
+            self._changed()
+
+    def _changed(self) -> None:
+        self._unflushed += 1
+        if self._unflushed >= self.index_flush_every:
+            self._write_index()
+
+    def _write_index(self) -> None:
+        content = {c: sorted(ps) for c, ps in sorted(self._by_content.items())}
+        doc = dict(
+            format_version=FORMAT_VERSION,
+            fingerprint=self.fingerprint,
+            content=content,
+            others=sorted(self._others),
+        )
+        _atomic_write(self.index_path, json.dumps(doc, indent=0).encode())
+        self._unflushed = 0
+
+    def _sync_index(self) -> None:
+        """Load the index and reconcile it with the files actually present."""
+        on_disk = {p.stem for p in list_entry_files(self.directory)}
+        content_of, others, loaded = self._load_index()
+        content_of = {p: c for p, c in content_of.items() if p in on_disk}
+        others &= on_disk
+        for prefix_hex in sorted(on_disk - content_of.keys() - others):
+            try:
+                meta = read_header(self.directory / f"{prefix_hex}{SUFFIX}")
+                ours = (
+                    meta.get("format_version") == str(FORMAT_VERSION)
+                    and meta.get("fingerprint") == self.fingerprint
+                    and meta.get("prefix_key") == prefix_hex
+                    and "content_key" in meta
+                )
+            except BadEntryFile:
+                ours = False
+            if ours:
+                content_of[prefix_hex] = meta["content_key"]
+            else:
+                others.add(prefix_hex)
+        with self._lock:
+            for prefix_hex, content_hex in content_of.items():
+                self._content_of[prefix_hex] = content_hex
+                self._by_content.setdefault(content_hex, set()).add(prefix_hex)
+            self._others = others
+            if loaded != (content_of, others):
+                self._write_index()
+
+    def _load_index(self) -> tuple[dict[str, str], set[str], tuple | None]:
+        """(prefix -> content, others, what was read) from the index file; empty when absent or bad."""
+        if not self.index_path.exists():
+            return {}, set(), None
+        try:
+            doc = json.loads(self.index_path.read_text())
+            if doc["format_version"] != FORMAT_VERSION or doc["fingerprint"] != self.fingerprint:
+                raise ValueError("written for other settings")
+            content_of = {p: c for c, ps in doc["content"].items() for p in ps}
+            others = set(doc["others"])
+            if not all(isinstance(x, str) for x in [*content_of, *content_of.values(), *others]):
+                raise ValueError("entries are not strings")
+        except Exception as e:  # any damage: the files are the truth, rebuild from them
+            warnings.warn(
+                f"kvboost-rag: store index {self.index_path} is unreadable ({e}); rebuilding it from the "
+                "files (nothing is lost)",
+                StoreIntegrityWarning,
+                stacklevel=3,
+            )
+            return {}, set(), None
+        return dict(content_of), set(others), (content_of, others)

@@ -1,0 +1,99 @@
+"""Memory in front of disk: what the engine talks to.
+
+Writes go to both tiers at once (write-through), so a memory eviction loses nothing and needs no
+spill. Reads try memory, then disk; a disk hit is promoted into memory in its stored form, so it
+is never re-quantized.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from kvboost_rag.config import StoreConfig
+from kvboost_rag.store.base import KVEntry, KVStore
+from kvboost_rag.store.disk import DiskStore
+from kvboost_rag.store.memory import MemoryStore
+from kvboost_rag.store.quant import SUPPORTED_BITS, StoredEntry, decode_entry, encode_entry
+
+log = logging.getLogger(__name__)
+
+
+class TieredStore(KVStore):
+    def __init__(self, memory: MemoryStore, disk: DiskStore | None = None) -> None:
+        self.memory = memory
+        self.disk = disk
+        self._disk_write_failed = False
+
+    def contains(self, prefix_key: bytes) -> bool:
+        return self.memory.contains(prefix_key) or (self.disk is not None and self.disk.contains(prefix_key))
+
+    def get(self, prefix_key: bytes) -> KVEntry | None:
+        stored = self.memory.get_stored(prefix_key)
+        if stored is None and self.disk is not None:
+            stored = self._promote(self.disk.get_stored(prefix_key))
+        return None if stored is None else decode_entry(stored)
+
+    def find_content(self, content_key: bytes) -> KVEntry | None:
+        stored = self.memory.find_content_stored(content_key)
+        if stored is None and self.disk is not None:
+            stored = self._promote(self.disk.find_content_stored(content_key))
+        return None if stored is None else decode_entry(stored)
+
+    def put(self, entry: KVEntry, *, pin: bool = False) -> None:
+        stored = encode_entry(entry, self.memory.kv_bits, self.memory.group_size)  # once, for both tiers
+        self.memory.put_stored(stored, pin=pin)  # raises before anything is written if the pin cannot fit
+        if self.disk is not None:
+            self._write_disk(stored)
+
+    def remove(self, prefix_key: bytes) -> None:
+        self.memory.remove(prefix_key)
+        if self.disk is not None:
+            self.disk.remove(prefix_key)
+
+    def close(self) -> None:
+        self.memory.close()
+        if self.disk is not None:
+            self.disk.close()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory (the budgeted tier)."""
+        return self.memory.nbytes
+
+    def stats(self) -> dict:
+        return dict(memory=self.memory.stats(), disk=None if self.disk is None else self.disk.stats())
+
+    def _promote(self, stored: StoredEntry | None) -> StoredEntry | None:
+        if stored is not None:
+            self.memory.put_stored(stored)
+        return stored
+
+    def _write_disk(self, stored: StoredEntry) -> None:
+        # A full or read-only disk costs future reuse, not this request: warn once, keep serving.
+        try:
+            self.disk.put_stored(stored)
+        except OSError as e:
+            if not self._disk_write_failed:
+                self._disk_write_failed = True
+                warnings.warn(
+                    f"kvboost-rag: cannot write KV to {self.disk.directory} ({e}); continuing with memory "
+                    "only for such entries (further failures are logged, not warned)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            else:
+                log.warning("cannot write KV to %s: %s", self.disk.directory, e)
+
+
+def make_store(config: StoreConfig, fingerprint: str) -> KVStore:
+    """The store a StoreConfig describes: memory with its budget, and disk when `disk_dir` is set."""
+    if config.kv_bits not in SUPPORTED_BITS:
+        raise ValueError(f"StoreConfig.kv_bits must be one of {SUPPORTED_BITS}, got {config.kv_bits}")
+    if config.group_size < 1:
+        raise ValueError(f"StoreConfig.group_size must be positive, got {config.group_size}")
+    memory = MemoryStore(config.memory_budget_bytes, kv_bits=config.kv_bits, group_size=config.group_size)
+    disk = None
+    if config.disk_dir is not None:
+        disk = DiskStore(config.disk_dir, fingerprint, kv_bits=config.kv_bits, group_size=config.group_size)
+    return TieredStore(memory, disk)

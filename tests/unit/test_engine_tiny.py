@@ -1,0 +1,114 @@
+"""The engine on a tiny random-weight Llama: exactness of the machinery, keys, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_rag import EngineConfig, StoreConfig
+from kvboost_rag.adapter import ModelAdapter, UnsupportedModelError
+from kvboost_rag.assembly import APPROX, EXACT
+
+
+def first_token_gap(engine, prompt, strategy, **kw):
+    pre = engine.prefill(prompt, strategy, write_back=False, **kw)
+    reference = engine.adapter.reference_logits(pre.plan.token_ids)[-1]
+    return (pre.logits - reference).abs().max().item(), pre
+
+
+def test_full_strategy_matches_the_models_own_forward(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    gap, pre = first_token_gap(engine, rag_prompt(docs, "Who founded it?"), "full")
+    assert gap < 1e-4 and pre.reused_tokens == 0
+
+
+def test_rerotation_matches_encoding_at_the_target_position(make_tiny_engine, docs):
+    adapter = make_tiny_engine().adapter
+    ids = adapter.model.config.vocab_size // 3 + torch.arange(40)
+    k0, v0 = adapter.reference_kv(ids, start=0)
+    k1, v1 = adapter.reference_kv(ids, start=257)
+    moved = adapter.rotate_keys(k0, 257)
+    assert (moved - k1).norm() / k1.norm() < 1e-5
+    assert (v0 - v1).norm() / v1.norm() < 1e-5
+    assert (k0 - k1).norm() / k1.norm() > 1e-2  # the test can see a wrong position
+
+
+def test_exact_prefix_hit_equals_full_prefill(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    prompt = rag_prompt(docs, "Who founded it?")
+    first = engine.prefill(prompt, "prefix")
+    assert first.exact_tokens == 0
+    gap, again = first_token_gap(engine, prompt, "prefix")
+    assert again.exact_tokens == again.prompt_tokens and again.recomputed_tokens == 1
+    assert gap < 1e-4
+
+
+def test_reordered_documents_are_content_hits_and_prefix_misses(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    engine.ingest(docs)
+    pre = engine.prefill(rag_prompt(docs[::-1], "Where?"), "naive", write_back=False)
+    sources = [c.source for c in pre.plan.chunks if c.is_document]
+    assert sources == [APPROX] * len(docs)
+    assert pre.reused_tokens > 0.8 * pre.prompt_tokens
+    # A document placed first after nothing is an exact prefix hit: its ingested context is the truth.
+    bare = engine.prefill(docs[0], "prefix", write_back=False)
+    assert [c.source for c in bare.plan.chunks] == [EXACT]
+
+
+def test_another_model_never_hits(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    engine.ingest(docs)
+    other = make_tiny_engine(seed=1, store=engine.store)  # same store, other weights digest
+    assert other.fingerprint != engine.fingerprint
+    other.ingest([docs[0]])  # so its index knows the text
+    pre = other.prefill(rag_prompt(docs, "Where?"), "naive", write_back=False)
+    assert pre.plan.count(APPROX) == len(other.document(docs[0]).token_ids)  # only its own ingestion
+
+
+def test_nothing_half_computed_is_stored_and_bad_input_is_explained(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine(EngineConfig(store=StoreConfig()))
+    with pytest.raises(ValueError, match="document 1: empty document"):
+        engine.ingest([docs[0], "   "])
+    with pytest.raises(TypeError, match="list"):
+        engine.ingest(docs[0])
+    with pytest.raises(ValueError, match="unknown strategy 'magic'"):
+        engine.generate(rag_prompt(docs, "q"), strategy="magic")
+    with pytest.raises(ValueError, match="context window"):
+        engine.generate("word " * 5000, strategy="full", max_new_tokens=4)
+    with pytest.raises(ValueError, match="context window"):
+        engine.ingest(["word " * 5000])
+
+
+def test_unsupported_model_is_refused_with_what_is_missing():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        ModelAdapter(model)
+
+
+def test_rope_that_does_not_compose_refuses_reuse(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    assert not engine.adapter.rope_composes
+    engine.ingest(docs)
+    with pytest.raises(UnsupportedModelError, match="does not compose"):
+        engine.prefill(rag_prompt(docs[::-1], "q"), "naive")
+    # Exact reuse needs no rotation and still works.
+    engine.prefill(rag_prompt(docs, "q"), "prefix")
+    assert engine.prefill(rag_prompt(docs, "q"), "prefix").exact_tokens > 0
+
+
+def test_stream_and_stop_strings(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    prompt = rag_prompt(docs, "q")
+    out = engine.generate(prompt, max_new_tokens=12, strategy="full")
+    pieces = list(engine.stream(prompt, max_new_tokens=12, strategy="full"))
+    assert "".join(p.text for p in pieces) == out.text and pieces[-1].result.text == out.text
+    assert out.generated_tokens == 12 and out.finish_reason == "length"
+    if len(out.text) > 4:
+        stop = out.text[2:4]
+        cut = engine.generate(prompt, max_new_tokens=12, strategy="full", stop=[stop])
+        assert cut.text == out.text[: out.text.find(stop)] and cut.finish_reason == "stop"
+    sampled = [engine.generate(prompt, max_new_tokens=8, strategy="full", temperature=1.0, seed=s).token_ids
+               for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
