@@ -152,3 +152,62 @@ class ModelAdapter:
         """The model's own forward over the whole sequence, no cache of ours: [S, V]. The truth."""
         out = self.model(input_ids=token_ids.to(self.device)[None], use_cache=False)
         return out.logits[0].float()
+
+    # ---- attention probes (query-aware repair) ---------------------------------------------------
+
+    def _queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rotated queries layer `layer` makes from its input `hidden` [1, Q, H]: [1, H_q, Q, D]."""
+        attn = self.layers[layer].self_attn
+        normed = self.layers[layer].input_layernorm(hidden)
+        q = attn.q_proj(normed).view(1, hidden.shape[1], -1, self.head_dim)
+        if getattr(attn, "q_norm", None) is not None:  # qwen3
+            q = attn.q_norm(q)
+        q = q.transpose(1, 2).float()
+        cos, sin = self.rope(positions, hidden)
+        cos, sin = cos.float()[:, None], sin.float()[:, None]
+        return q * cos + self._rotate_half(q) * sin
+
+    def run_layers_probed(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers,
+                          layers: range, attend_len: int, probe_layers: set[int] | list[int],
+                          query_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`run_layers`, also returning the attention probabilities at `probe_layers`.
+
+        For each probe layer: {layer: [H_q, R, attend_len] fp32}, the softmax attention of the rows
+        `query_rows` (indices into `positions`; all when None) over the cache, causally masked.
+        """
+        positions = positions.to(self.device)
+        rows = (torch.arange(positions.shape[0], device=self.device) if query_rows is None
+                else query_rows.to(self.device))
+        probes: dict[int, torch.Tensor] = {}
+        groups = self.num_heads // self.num_kv_heads
+        for i in layers:
+            q = self._queries(i, hidden[:, rows], positions[rows]) if i in probe_layers else None
+            hidden = self.run_layers(hidden, positions, cache, range(i, i + 1), attend_len)
+            if q is not None:
+                keys = cache.keys[i][0, :, :attend_len].float().repeat_interleave(groups, dim=0)  # [H_q, S, D]
+                scores = (q[0] @ keys.transpose(1, 2)) * self.layers[i].self_attn.scaling  # [H_q, R, S]
+                visible = torch.arange(attend_len, device=self.device)[None, :] <= positions[rows][:, None]
+                probes[i] = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+        return hidden, probes
+
+    def run_layers_biased(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers,
+                          layers: range, attend_len: int, key_bias: torch.Tensor,
+                          query_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`run_layers` with `key_bias` [attend_len] added to the attention logits of rows `query_rows`
+        (indices into `positions`; all when None) for every key; other rows attend plainly."""
+        positions = positions.to(self.device)
+        q = positions.shape[0]
+        cache.write_positions = positions
+        cache.attend_len = attend_len
+        visible = torch.arange(attend_len, device=self.device)[None, :] <= positions[:, None]  # [Q, S]
+        bias = torch.zeros(q, attend_len, dtype=hidden.dtype, device=self.device)
+        rows = torch.arange(q, device=self.device) if query_rows is None else query_rows.to(self.device)
+        bias[rows] = key_bias.to(self.device, hidden.dtype)[None]
+        mask = bias.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]
+        position_embeddings = self.rope(positions, hidden)
+        kwargs = {self._cache_kw: cache, "attention_mask": mask, "position_ids": positions[None],
+                  "position_embeddings": position_embeddings, "use_cache": True}
+        for i in layers:
+            out = self.layers[i](hidden, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden

@@ -76,8 +76,12 @@ def split_segments(prompt: str, index: DocumentIndex) -> list[str | Document]:
 
 
 def tokenize_segments(segments: list[str | Document], tokenizer, max_chunk_tokens: int,
-                      bos_ids: tuple[int, ...] = ()) -> list[tuple[tuple[int, ...], bool]]:
-    """(token ids, is_document) for every chunk of the prompt, in order."""
+                      bos_ids: tuple[int, ...] = (),
+                      special_ids: frozenset[int] = frozenset()) -> list[tuple[tuple[int, ...], bool]]:
+    """(token ids, is_document) for every chunk of the prompt, in order.
+
+    Fixed text is also cut before every special token (a chat turn's start or end), so a prompt
+    extended by a new turn shares all of its earlier turns' chunks with the prompt before it."""
     chunks: list[tuple[tuple[int, ...], bool]] = []
     for i, seg in enumerate(segments):
         if isinstance(seg, Document):
@@ -86,7 +90,11 @@ def tokenize_segments(segments: list[str | Document], tokenizer, max_chunk_token
         ids = tuple(tokenizer(seg, add_special_tokens=False)["input_ids"])
         if i == 0 and ids[:len(bos_ids)] != bos_ids:
             ids = bos_ids + ids
-        chunks.extend((ids[j:j + max_chunk_tokens], False) for j in range(0, len(ids), max_chunk_tokens))
+        cuts = [j for j, t in enumerate(ids) if j > 0 and t in special_ids] + [len(ids)]
+        start = 0
+        for cut in cuts:
+            chunks.extend((ids[j:min(j + max_chunk_tokens, cut)], False) for j in range(start, cut, max_chunk_tokens))
+            start = cut
     if not chunks and bos_ids:
         chunks.append((bos_ids, False))
     return [c for c in chunks if c[0]]

@@ -10,13 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STRATEGIES = ("full", "prefix", "naive", "selective", "cacheblend")
+STRATEGIES = ("full", "prefix", "naive", "selective", "cacheblend", "queryaware")
 
 
 @dataclass(frozen=True)
 class ChunkingConfig:
     # A document longer than this is split at paragraph, then sentence, then word boundaries.
     max_chunk_tokens: int = 512
+    # What a document is encoded after at ingestion: "none" (alone, from position 0) or "template"
+    # (after the opening of the model's chat template, up to a user message's content), so its first
+    # token is not an attention sink and its KV looks like a document inside a real prompt.
+    doc_context: str = "none"
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,18 @@ class RepairConfig:
     select: str = "deviation"
     # cacheblend: seed of the random control, so a bench run is repeatable.
     seed: int = 0
+    # queryaware: how many calibrated retrieval heads (best first) rank the documents for the question.
+    qa_heads: int = 8
+    # queryaware: how many documents, the question's top ones at the retrieval heads, are recomputed.
+    qa_docs: int = 1
+    # queryaware: what of the reused documents after the first chosen one is also recomputed:
+    # "none", "all", or "attn" (the qa_after_ratio fraction of their tokens the question attends to most).
+    qa_after: str = "none"
+    # queryaware: with qa_after="attn", the fraction of those later documents' tokens recomputed.
+    qa_after_ratio: float = 0.15
+    # queryaware: logit bias subtracted from the question's attention to the reused documents not chosen
+    # (0 = off): damps stale look-alikes against the recomputed document.
+    qa_damp: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ to the first token's logits.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -27,12 +28,14 @@ from . import keys as keyring
 from . import models
 from .adapter import ModelAdapter
 from .assembly import COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
+from .calibration import retrieval_heads
 from .chunking import chunk_document
 from .config import STRATEGIES, EngineConfig
 from .documents import Document, DocumentIndex
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
 from .repair.cacheblend import cacheblend_prefill
+from .repair.queryaware import queryaware_prefill
 from .repair.selective import selective_positions
 from .store import make_store
 from .store.base import KVEntry, KVStore
@@ -100,12 +103,14 @@ class KVBoost:
         self.fingerprint = keyring.model_fingerprint(
             model_id=loaded.model_id, weights_digest=loaded.weights_digest,
             dtype=models.dtype_name(self.adapter.dtype), tokenizer_digest=_tokenizer_digest(self.tokenizer),
-            encoding={"chunking": dataclasses.asdict(config.chunking), "context": "alone"})
+            encoding={"chunking": dataclasses.asdict(config.chunking)})
         self.store = store if store is not None else make_store(config.store, self.fingerprint)
         disk_dir = config.store.disk_dir
         self.documents = DocumentIndex(Path(disk_dir) / f"documents-{self.fingerprint[:16]}.jsonl"
                                        if disk_dir else None)
         self._bos_ids = _bos_ids(self.tokenizer)
+        self._special_ids = frozenset(i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special)
+        self._doc_context = self._context_chunks(config.chunking.doc_context)
         self._eos_ids = _eos_ids(loaded.model, self.tokenizer)
         # One forward at a time: the model and the store's write-back are shared by all callers.
         self.lock = threading.RLock()
@@ -151,23 +156,41 @@ class KVBoost:
             doc = self.document(text)
         except ValueError as e:
             raise ValueError(f"document {index}: {e}") from None
-        keys = keyring.chain(self.fingerprint, doc.chunk_tokens())
+        context = self._doc_context
+        keys = keyring.chain(self.fingerprint, [tokens for tokens, _ in context] + doc.chunk_tokens())
         with self.lock:
             if not all(self.store.contains(pkey) for pkey, _ in keys):
-                # Computed alone, at positions 0..n-1: the form a content hit is re-rotated from.
-                n = len(doc.token_ids)
+                # The form a content hit is re-rotated from: the document after its ingestion context.
+                ids = torch.tensor([t for tokens, _ in context for t in tokens] + list(doc.token_ids))
+                n, offset = ids.shape[0], sum(len(tokens) for tokens, _ in context)
                 cache = self.adapter.new_buffers(n)
-                ids = torch.tensor(doc.token_ids)
                 with torch.inference_mode():
                     self.adapter.run_layers(self.adapter.embed(ids), torch.arange(n), cache,
                                             range(self.adapter.num_layers), n)
                 # Stored only once every chunk is computed: nothing half-computed is ever stored.
-                for chunk, (pkey, ckey) in zip(doc.chunks, keys, strict=True):
-                    k, v = cache.read(chunk.start, chunk.end)
-                    self.store.put(KVEntry(k, v, doc.token_ids[chunk.start:chunk.end], chunk.start, pkey, ckey),
-                                   pin=pin)
+                ends = list(itertools.accumulate(len(tokens) for tokens, _ in context))
+                spans = list(zip([0, *ends], ends, strict=False))
+                spans += [(offset + c.start, offset + c.end) for c in doc.chunks]
+                for (start, end), (pkey, ckey) in zip(spans, keys, strict=True):
+                    k, v = cache.read(start, end)
+                    self.store.put(KVEntry(k, v, tuple(ids[start:end].tolist()), start, pkey, ckey), pin=pin)
             self.documents.add(doc)
         return doc
+
+    def _context_chunks(self, doc_context: str) -> list[tuple[tuple[int, ...], bool]]:
+        """The chunk a document is encoded after at ingestion (see ChunkingConfig.doc_context)."""
+        if doc_context == "none":
+            return []
+        if doc_context != "template":
+            raise ValueError(f"unknown doc_context {doc_context!r}; use 'none' or 'template'")
+        marker = "\x00kvboost-doc\x00"
+        try:
+            rendered = self.render([{"role": "user", "content": marker}])
+        except ValueError:
+            return []  # no chat template: nothing to encode after
+        opening = rendered[: rendered.index(marker)]
+        return tokenize_segments([opening], self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
+                                 self._special_ids)
 
     # ---- prompts ---------------------------------------------------------------------------
 
@@ -182,7 +205,8 @@ class KVBoost:
     def plan(self, prompt: str | Messages, strategy: str) -> Plan:
         _check_strategy(strategy)
         segments = split_segments(self.render(prompt), self.documents)
-        chunks = tokenize_segments(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids)
+        chunks = tokenize_segments(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
+                                   self._special_ids)
         if not chunks:
             raise ValueError("empty prompt: give some text to answer")
         use_exact = strategy != "full"
@@ -196,7 +220,8 @@ class KVBoost:
         started = time.perf_counter()
         repair = repair or self.config.repair
         with self.lock:
-            p = self.plan(prompt, strategy)
+            # queryaware reuses what naive reuses (exact and content hits), then repairs its own way.
+            p = self.plan(prompt, "naive" if strategy == "queryaware" else strategy)
             n = p.num_tokens
             if n + max_new_tokens > self.adapter.max_context:
                 raise ValueError(f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's "
@@ -205,6 +230,9 @@ class KVBoost:
             cache = assemble(p, self.adapter, n + max_new_tokens)
             if strategy == "cacheblend":
                 hidden, recomputed = cacheblend_prefill(self.adapter, cache, p, repair)
+            elif strategy == "queryaware":
+                hidden, recomputed = queryaware_prefill(self.adapter, cache, p, repair,
+                                                        retrieval_heads(self, max_heads=repair.qa_heads))
             else:
                 if strategy == "selective":
                     recomputed = selective_positions(p, repair.boundary_tokens)

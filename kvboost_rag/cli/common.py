@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import STRATEGIES, EngineConfig, RepairConfig, StoreConfig
+from ..config import STRATEGIES, ChunkingConfig, EngineConfig, RepairConfig, StoreConfig
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-budget", type=int, default=None, help="bytes the in-memory tier may hold")
     g.add_argument("--kv-bits", type=int, default=16, choices=[16, 8, 4], help="stored KV precision")
     g.add_argument("--max-chunk-tokens", type=int, default=512)
+    g.add_argument("--doc-context", default=ChunkingConfig.doc_context, choices=["none", "template"],
+                   help="what documents are encoded after at ingestion: nothing, or the chat template's opening")
     r = parser.add_argument_group("repair")
     r.add_argument("--boundary-tokens", type=int, default=RepairConfig.boundary_tokens, help="selective: k")
     r.add_argument("--recompute-ratio", type=float, default=RepairConfig.recompute_ratio, help="cacheblend: r")
@@ -29,11 +31,9 @@ def add_strategy_option(parser: argparse.ArgumentParser, default: str = "cachebl
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from ..config import ChunkingConfig
-
     return EngineConfig(
         dtype=args.dtype,
-        chunking=ChunkingConfig(max_chunk_tokens=args.max_chunk_tokens),
+        chunking=ChunkingConfig(max_chunk_tokens=args.max_chunk_tokens, doc_context=args.doc_context),
         repair=RepairConfig(boundary_tokens=args.boundary_tokens, recompute_ratio=args.recompute_ratio,
                             check_layer=args.check_layer, select=args.select),
         store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),

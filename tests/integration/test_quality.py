@@ -1,0 +1,75 @@
+"""Quality of query-aware repair on the bundled model (fp32): the properties that make it work.
+
+- The calibrated retrieval heads find the answer-bearing document among look-alikes (on prompts
+  built here, not from the tuning split), wherever it sits.
+- Recomputing what they point at brings the first-token distribution closer to a full prefill than
+  reusing every document as stored (naive), on average over a few prompts.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from kvboost_rag.bench.run import kl
+from kvboost_rag.calibration import head_doc_scores, naive_pass, retrieval_heads
+from kvboost_rag.config import RepairConfig
+
+pytestmark = pytest.mark.real_model
+
+# Look-alike facts about look-alike entities: only one document holds the asked value.
+TOWNS = ["Brekkvik", "Brekkholm", "Brekkstad", "Brekkvale"]
+MAYORS = ["Ingrid Solberg", "Tomas Halvard", "Mira Castellane", "Edda Holloway"]
+
+
+def town_doc(town: str, mayor: str) -> str:
+    return (f"{town} is a small harbour town on the northern coast, known for its fish market and its old "
+            f"stone bridge. The mayor of {town} is {mayor}. The town has a population of about twelve "
+            f"thousand people and a railway station that reopened after a local campaign.")
+
+
+def case(answer_at: int) -> tuple[list[str], str, str]:
+    """Four look-alike town documents; the question asks about the one at `answer_at`."""
+    docs = [town_doc(town, mayor) for town, mayor in zip(TOWNS, MAYORS, strict=True)]
+    return docs, f"Who is the mayor of {TOWNS[answer_at]}?", MAYORS[answer_at]
+
+
+@pytest.fixture(scope="module")
+def heads_engine(real_loaded):
+    from kvboost_rag import EngineConfig, KVBoost
+
+    engine = KVBoost(real_loaded, EngineConfig())
+    return engine, retrieval_heads(engine)
+
+
+def test_retrieval_heads_pick_the_answer_document(heads_engine, rag_prompt):
+    engine, heads = heads_engine
+    assert heads.heads and all(0 <= layer < engine.adapter.num_layers for layer, _ in heads.heads)
+    hits = 0
+    for answer_at in range(4):
+        docs, question, _ = case(answer_at)
+        engine.ingest(docs)
+        _, probes, spans = naive_pass(engine, rag_prompt(docs, question), range(max(heads.layers) + 1),
+                                      heads.layers)
+        scores = head_doc_scores(probes, heads.heads[:RepairConfig.qa_heads], spans)
+        hits += int(scores.argmax()) == answer_at
+    assert hits >= 3, f"retrieval heads found the answer document in {hits}/4 prompts"
+
+
+def test_queryaware_first_token_closer_to_full_than_naive(heads_engine, rag_prompt):
+    engine, _ = heads_engine
+    naive_kl, qa_kl = [], []
+    for answer_at in (0, 1, 2):
+        docs, question, _ = case(answer_at)
+        engine.ingest(docs)
+        prompt = rag_prompt(docs, question)
+        full = engine.prefill(prompt, "full", write_back=False).logits[None]
+        naive = engine.prefill(prompt, "naive", write_back=False)
+        qa = engine.prefill(prompt, "queryaware", write_back=False)
+        assert qa.recomputed_tokens < 0.75 * qa.prompt_tokens
+        naive_kl.append(float(kl(full, naive.logits[None])[0]))
+        qa_kl.append(float(kl(full, qa.logits[None])[0]))
+    assert statistics.fmean(qa_kl) < statistics.fmean(naive_kl), (qa_kl, naive_kl)
+    assert torch.isfinite(torch.tensor(qa_kl)).all()
