@@ -12,6 +12,7 @@ to the first token's logits.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -114,6 +115,8 @@ class KVBoost:
         self._eos_ids = _eos_ids(loaded.model, self.tokenizer)
         # One forward at a time: the model and the store's write-back are shared by all callers.
         self.lock = threading.RLock()
+        # What the engine did, for callers and tests: documents computed or found stored, chunks written back.
+        self.counters: collections.Counter[str] = collections.Counter()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -159,7 +162,9 @@ class KVBoost:
         context = self._doc_context
         keys = keyring.chain(self.fingerprint, [tokens for tokens, _ in context] + doc.chunk_tokens())
         with self.lock:
-            if not all(self.store.contains(pkey) for pkey, _ in keys):
+            stored = all(self.store.contains(pkey) for pkey, _ in keys)
+            self.counters["documents_stored" if stored else "documents_computed"] += 1
+            if not stored:
                 # The form a content hit is re-rotated from: the document after its ingestion context.
                 ids = torch.tensor([t for tokens, _ in context for t in tokens] + list(doc.token_ids))
                 n, offset = ids.shape[0], sum(len(tokens) for tokens, _ in context)
@@ -191,6 +196,16 @@ class KVBoost:
         opening = rendered[: rendered.index(marker)]
         return tokenize_segments([opening], self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
                                  self._special_ids)
+
+    def close(self) -> None:
+        """Flush and release the store (the disk tier's index is written here)."""
+        self.store.close()
+
+    def __enter__(self) -> KVBoost:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- prompts ---------------------------------------------------------------------------
 
@@ -252,6 +267,7 @@ class KVBoost:
             if chunk.source == COMPUTE and chunk.exact_context and not self.store.contains(chunk.prefix_key):
                 k, v = cache.read(chunk.start, chunk.end)
                 self.store.put(KVEntry(k, v, chunk.token_ids, chunk.start, chunk.prefix_key, chunk.content_key))
+                self.counters["chunks_written_back"] += 1
 
     # ---- generation ------------------------------------------------------------------------
 

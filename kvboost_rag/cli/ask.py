@@ -29,7 +29,16 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("empty question: ask something")
     docs = [text.strip() for _, text in read_documents(args.docs)]
     engine = make_engine(args)
+    try:
+        return _run(args, engine, docs)
+    finally:
+        engine.close()
+
+
+def _run(args, engine, docs) -> int:
     engine.ingest(docs, progress=True)
+    c = engine.counters
+    print(f"documents: {c['documents_computed']} computed, {c['documents_stored']} found in the store")
     prompt = render_prompt(BenchItem(id="ask", documents=tuple(docs), question=args.question, system=args.system))
     runs = [args.strategy] + (["full"] if args.compare and args.strategy != "full" else [])
     for strategy in runs:

@@ -20,12 +20,21 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     docs = read_documents(args.paths)
     engine = make_engine(args)
+    try:
+        return _run(args, engine, docs)
+    finally:
+        engine.close()
+
+
+def _run(args, engine, docs) -> int:
     started = time.perf_counter()
     ids = engine.ingest([text for _, text in docs], pin=args.pin, progress=True)
     seconds = time.perf_counter() - started
     tokens = sum(len(engine.document(text).token_ids) for _, text in docs)
     nbytes = getattr(engine.store, "nbytes", None)
-    print(f"documents {len(ids)}  tokens {tokens}  "
+    c = engine.counters
+    print(f"documents {len(ids)} (computed {c['documents_computed']}, already stored {c['documents_stored']})  "
+          f"tokens {tokens}  "
           + (f"bytes {nbytes:,}  " if nbytes is not None else "")
           + f"seconds {seconds:.1f}" + (f"  store {args.store}" if args.store else ""))
     return 0
