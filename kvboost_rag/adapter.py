@@ -56,7 +56,7 @@ class ModelAdapter:
                 f"decoders ({', '.join(SUPPORTED_MODEL_TYPES)})"
                 + (f"; this model lacks model.{', model.'.join(missing)}" if missing else "")
                 + ". Use one of those architectures.")
-        # Our masks are boolean and passed as they are; sdpa takes them, eager would add them.
+        # Our masks are passed to the attention kernel as they are: sdpa's contract.
         self.model.set_attn_implementation("sdpa")
         self.model.eval()
         self.config = config
@@ -124,7 +124,10 @@ class ModelAdapter:
         if contiguous and int(positions[-1]) == attend_len - 1 and (q == attend_len or q == 1):
             mask = None  # plain causal (sdpa's is_causal) or a single query that sees everything
         else:
-            mask = (torch.arange(attend_len, device=self.device)[None, :] <= positions[:, None])[None, None]
+            # Additive float mask: sdpa's CPU kernels run it faster than a boolean one.
+            visible = torch.arange(attend_len, device=self.device)[None, :] <= positions[:, None]
+            mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=self.device)
+            mask = mask.masked_fill_(~visible, torch.finfo(hidden.dtype).min)[None, None]
         position_embeddings = self.rope(positions, hidden)
         kwargs = {self._cache_kw: cache, "attention_mask": mask, "position_ids": positions[None],
                   "position_embeddings": position_embeddings, "use_cache": True}

@@ -127,7 +127,5 @@ def assemble(plan: Plan, adapter: ModelAdapter, capacity: int) -> KVBuffers:
         if chunk.entry is None:
             continue
         keys = adapter.rotate_keys(chunk.entry.keys, chunk.start - chunk.entry.start)  # [L, H_kv, S, D]
-        values = chunk.entry.values
-        for layer in range(adapter.num_layers):
-            cache.write(layer, chunk.start, keys[layer], values[layer])
+        cache.write(chunk.start, keys, chunk.entry.values)
     return cache

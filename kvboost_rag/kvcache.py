@@ -15,9 +15,14 @@ import torch
 class KVBuffers:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (1, num_kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One allocation per K and V, all layers; `keys[i]` is layer i's view [1, H_kv, capacity, D].
+        # Uninitialized on purpose: every position is written (assembled or computed) before any
+        # query can attend to it, and zero-filling costs more than the naive prefill's compute.
+        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
+        self.all_keys = torch.empty(shape, dtype=dtype, device=device)
+        self.all_values = torch.empty(shape, dtype=dtype, device=device)
+        self.keys = list(self.all_keys.unbind(0))
+        self.values = list(self.all_values.unbind(0))
         self.capacity = capacity
         # Set by the driver before each forward: where the new K/V go, how far attention reaches.
         self.write_positions: torch.Tensor | None = None  # [Q] long, or None for a contiguous run
@@ -31,11 +36,11 @@ class KVBuffers:
     def num_layers(self) -> int:
         return len(self.keys)
 
-    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values: [H_kv, S, D] placed at start .. start + S - 1."""
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """All layers at once. keys, values: [L, H_kv, S, D] placed at start .. start + S - 1."""
         n = keys.shape[-2]
-        self.keys[layer][0, :, start:start + n] = keys
-        self.values[layer][0, :, start:start + n] = values
+        self.all_keys[:, 0, :, start:start + n] = keys
+        self.all_values[:, 0, :, start:start + n] = values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """The call transformers' attention makes. key_states, value_states: [1, H_kv, Q, D]."""
@@ -57,10 +62,8 @@ class KVBuffers:
 
     def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All layers' K/V for positions start .. end - 1: [L, H_kv, S, D] each (copies)."""
-        keys = torch.stack([k[0, :, start:end] for k in self.keys])
-        values = torch.stack([v[0, :, start:end] for v in self.values])
-        return keys, values
+        return self.all_keys[:, 0, :, start:end].clone(), self.all_values[:, 0, :, start:end].clone()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in (self.all_keys, self.all_values))
