@@ -1,0 +1,59 @@
+"""Bench strategy specs and KL, and the text stream's stop-string handling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_rag import RepairConfig
+from kvboost_rag.bench.run import kl, parse_strategies
+from kvboost_rag.generation import SamplingParams, TextStream, choose_token
+
+
+def test_strategy_specs_carry_repair_overrides_and_full_comes_first():
+    specs = parse_strategies("naive,cacheblend:recompute_ratio=0.3+select=random,selective", RepairConfig())
+    assert [s.label for s in specs][0] == "full"
+    blend = next(s for s in specs if s.strategy == "cacheblend")
+    assert blend.repair.recompute_ratio == 0.3 and blend.repair.select == "random"
+    assert blend.repair.check_layer == RepairConfig().check_layer
+    with pytest.raises(ValueError, match="unknown strategy"):
+        parse_strategies("fast", RepairConfig())
+    with pytest.raises(ValueError, match="unknown repair setting"):
+        parse_strategies("cacheblend:ratio=0.2", RepairConfig())
+
+
+def test_kl_is_zero_on_itself_and_positive_otherwise():
+    a = torch.randn(3, 50)
+    assert torch.allclose(kl(a, a), torch.zeros(3), atol=1e-6)
+    assert (kl(a, a.flip(-1)) > 0.01).all()
+
+
+class CharTokenizer:
+    """One character per token id: enough to exercise the stream's bookkeeping."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def feed(stream, text):
+    return "".join(stream.add(ord(c)) for c in text if not stream.stopped) + stream.flush()
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
+    stream = TextStream(CharTokenizer(), ("###",))
+    assert stream.add(ord("a")) == "a"
+    assert stream.add(ord("#")) == ""  # could start the stop string: held back
+    assert stream.add(ord("b")) == "#b"  # it did not
+    assert feed(stream, "cd##") == "cd##"  # flush at the end releases what was held
+    stopped = TextStream(CharTokenizer(), ("###",))
+    assert feed(stopped, "hello ### world") == "hello " and stopped.stopped
+
+
+def test_sampling_params_and_token_choice():
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=0)
+    logits = torch.tensor([0.0, 5.0, 1.0])
+    assert choose_token(logits, SamplingParams(), None) == 1
+    gen = torch.Generator().manual_seed(0)
+    picks = {choose_token(logits, SamplingParams(temperature=5.0, top_k=2), gen) for _ in range(50)}
+    assert picks == {1, 2}  # top_k keeps the two best, temperature spreads between them
