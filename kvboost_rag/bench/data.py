@@ -18,7 +18,7 @@ Two generators:
 
 Every item is drawn from its own seeded RNG, so the first m items of a set of n are the same items
 as a set of m: a `limit` on a shipped file is a fair sample of it. The pydoc set depends on the
-text of the running Python's docs; the shipped file was cut from CPython 3.11.
+text of the running Python's docs; the shipped file was cut from CPython 3.11.7.
 
 Regenerate the shipped files with `python -m kvboost_rag.bench.data shipped`.
 """
@@ -26,6 +26,7 @@ Regenerate the shipped files with `python -m kvboost_rag.bench.data shipped`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import re
@@ -184,16 +185,12 @@ def generate(kind: str, n: int, k_docs: int, words_per_doc: int, seed: int) -> l
     raise ValueError(f"unknown generator {kind!r}; expected 'synthetic' or 'pydoc'")
 
 
-def _answer_positions(kind: str, seed: int, block: int, k: int) -> list[int]:
-    # Each run of k consecutive items puts the answer once in every position, so the answer's
-    # position is uniform over any set (and within one of uniform over any prefix of it).
-    positions = list(range(k))
-    random.Random(f"{kind}:{seed}:positions:{block}").shuffle(positions)
-    return positions
-
-
 def _answer_position(kind: str, seed: int, i: int, k: int) -> int:
-    return _answer_positions(kind, seed, i // k, k)[i % k]
+    # Each run of k consecutive items puts the answer once in every position: uniform over the
+    # whole set, and within one of uniform over any prefix of it.
+    positions = list(range(k))
+    random.Random(f"{kind}:{seed}:positions:{i // k}").shuffle(positions)
+    return positions[i % k]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,8 +246,10 @@ _MOUNTAINS = (
 class _Fact:
     key: str
     value: str  # "year", "count", "person", "town", "river" or "mountain"
-    statements: tuple[str, ...]  # one is picked per document
-    question: str
+    # (statement, question) pairs: each document states the fact one way, and the question asks it
+    # in the words of the answer document's statement, as a reader would who had just read it. A few
+    # questions are worded otherwise where SmolLM2-135M answered the mirrored wording far less often.
+    variants: tuple[tuple[str, str], ...]
     lo: int = 0  # range of a year or count
     hi: int = 0
 
@@ -287,25 +286,26 @@ _COMPANY = _Kind(
     ),
     facts=(
         _Fact("founded", "year", (
-            "{Name} was founded in {value}.",
-            "It was in {value} that {name} was founded.",
-            "{Name} was first founded in the year {value}.",
-        ), "In what year was {name} founded?", 1760, 1960),
+            ("{Name} was founded in {value}.", "In what year was {name} founded?"),
+            ("It was in {value} that {name} was founded.", "In what year was {name} founded?"),
+            ("{Name} first opened its doors in {value}.", "In what year did {name} first open its doors?"),
+        ), 1760, 1960),
         _Fact("employees", "count", (
-            "{Name} employs {value} people.",
-            "Today {name} employs {value} people.",
-            "The workforce of {name} numbers {value} people.",
-        ), "How many people does {name} employ?", 40, 9800),
+            ("{Name} employs {value} people.", "How many people does {name} employ?"),
+            ("Today {name} has {value} employees.", "How many employees does {name} have?"),
+            ("The workforce of {name} numbers {value} people.", "How many people are in the workforce of {name}?"),
+        ), 120, 9800),
         _Fact("founder", "person", (
-            "{Name} was founded by {value}.",
-            "The founder of {name} was {value}.",
-            "{value} founded {name}.",
-        ), "Who founded {name}?"),
+            ("{Name} was founded by {value}.", "Who founded {name}?"),
+            ("The founder of {name} was {value}.", "Who was the founder of {name}?"),
+            ("{value} founded {name}.", "Who founded {name}?"),
+        )),
         _Fact("town", "town", (
-            "{Name} is based in the town of {value}.",
-            "The headquarters of {name} are in the town of {value}.",
-            "{Name} has its home in the town of {value}.",
-        ), "In which town is {name} based?"),
+            ("{Name} is based in the town of {value}.", "In which town is {name} based?"),
+            ("The headquarters of {name} are in the town of {value}.",
+             "In which town are the headquarters of {name}?"),
+            ("{Name} has its home in the town of {value}.", "In which town does {name} have its home?"),
+        )),
     ),
     fillers=(
         "{Ref} began as a small family workshop and grew slowly over several generations.",
@@ -342,26 +342,29 @@ _TOWN = _Kind(
         "{Name} is an old town known across the {region} for its weekly market.",
     ),
     facts=(
-        _Fact("charter", "year", (
-            "{Name} received its town charter in {value}.",
-            "The charter that made {name} a town was granted in {value}.",
-            "{Name} was granted its town charter in {value}.",
-        ), "In what year did the town of {name} receive its charter?", 1150, 1890),
+        _Fact("founded", "year", (
+            ("{Name} was founded in {value}.", "What year was the town of {name} founded in?"),
+            ("The town of {name} was founded in {value}.", "What year was the town of {name} founded in?"),
+            ("{Name} dates back to {value}, when it was founded.",
+             "What year was the town of {name} founded in?"),
+        ), 1150, 1890),
         _Fact("population", "count", (
-            "{Name} has a population of {value}.",
-            "The population of {name} stands at {value}.",
-            "{Name} is home to a population of {value}.",
-        ), "What is the population of the town of {name}?", 1200, 96000),
+            ("{Name} has a population of {value}.", "What is the population of the town of {name}?"),
+            ("The population of {name} stands at {value}.", "What is the population of the town of {name}?"),
+            ("{Name} is home to {value} people.", "How many people live in the town of {name}?"),
+        ), 1200, 96000),
         _Fact("river", "river", (
-            "{Name} stands on the River {value}.",
-            "The River {value} flows through the middle of {name}.",
-            "{Name} was built on the banks of the River {value}.",
-        ), "On which river does the town of {name} stand?"),
+            ("{Name} stands on the River {value}.", "On which river does the town of {name} stand?"),
+            ("The River {value} flows through the middle of {name}.",
+             "Which river flows through the middle of the town of {name}?"),
+            ("{Name} was built on the banks of the River {value}.",
+             "On the banks of which river was the town of {name} built?"),
+        )),
         _Fact("mayor", "person", (
-            "The current mayor of {name} is {value}.",
-            "{Name} is led by its mayor, {value}.",
-            "{value} serves as the mayor of {name}.",
-        ), "Who is the mayor of the town of {name}?"),
+            ("The current mayor of {name} is {value}.", "Who is the current mayor of the town of {name}?"),
+            ("{Name} is led by its mayor, {value}.", "Who is the mayor of the town of {name}?"),
+            ("{value} serves as the mayor of {name}.", "Who serves as the mayor of the town of {name}?"),
+        )),
     ),
     fillers=(
         "The town grew up around a market square that is still used on Saturdays.",
@@ -411,25 +414,27 @@ _PERSON = _Kind(
     ),
     facts=(
         _Fact("born", "year", (
-            "{Name} was born in {value}.",
-            "Records show that {name} was born in the year {value}.",
-            "The {profession} {name} was born in {value}.",
-        ), "In what year was the {profession} {name} born?", 1720, 1950),
+            ("{Name} was born in {value}.", "In what year was the {profession} {name} born?"),
+            ("Records show that {name} was born in the year {value}.",
+             "In what year was the {profession} {name} born?"),
+            ("The {profession} {name} was born in {value}.", "In what year was the {profession} {name} born?"),
+        ), 1720, 1950),
         _Fact("birthplace", "town", (
-            "{Name} was born in the town of {value}.",
-            "The town of {value} was the birthplace of {name}.",
-            "{Name} came from the town of {value}.",
-        ), "In which town was the {profession} {name} born?"),
+            ("{Name} was born in the town of {value}.", "In which town was the {profession} {name} born?"),
+            ("The town of {value} was the birthplace of {name}.",
+             "Which town was the birthplace of the {profession} {name}?"),
+            ("{Name} came from the town of {value}.", "Which town did the {profession} {name} come from?"),
+        )),
         _Fact("works", "count", (
-            "{Name} {did} {value} {works} in total.",
-            "Over a long career, {name} {did} {value} {works}.",
-            "In all, {name} {did} {value} {works}.",
-        ), "How many {works} did the {profession} {name} {do}?", 12, 900),
+            ("{Name} {did} {value} {works} in total.", "How many {works} did the {profession} {name} {do} in total?"),
+            ("Over a long career, {name} {did} {value} {works}.", "How many {works} did the {profession} {name} {do}?"),
+            ("In all, {name} {did} {value} {works}.", "How many {works} did the {profession} {name} {do}?"),
+        ), 100, 900),
         _Fact("teacher", "person", (
-            "The teacher of {name} was {value}.",
-            "{Name} studied {field} under {value}.",
-            "{Name} was taught {field} by {value}.",
-        ), "Who was the teacher of the {profession} {name}?"),
+            ("The teacher of {name} was {value}.", "Who was the teacher of the {profession} {name}?"),
+            ("{Name} studied {field} under {value}.", "Under whom did the {profession} {name} study {field}?"),
+            ("{Name} was taught {field} by {value}.", "Who taught {field} to the {profession} {name}?"),
+        )),
     ),
     fillers=(
         "{Ref} worked slowly and often revised a piece many times before calling it finished.",
@@ -468,25 +473,25 @@ _SHIP = _Kind(
     ),
     facts=(
         _Fact("launched", "year", (
-            "{Name} was launched in {value}.",
-            "It was in {value} that {name} was launched.",
-            "{Name} was launched from the shipyard in {value}.",
-        ), "In what year was {name} launched?", 1780, 1960),
+            ("{Name} was launched in {value}.", "In what year was {name} launched?"),
+            ("It was in {value} that {name} was launched.", "In what year was {name} launched?"),
+            ("{Name} was launched from the shipyard in {value}.", "In what year was {name} launched?"),
+        ), 1780, 1960),
         _Fact("crew", "count", (
-            "{Name} carried a crew of {value}.",
-            "A crew of {value} sailed aboard {name}.",
-            "{Name} needed a crew of {value} sailors.",
-        ), "How many crew did {name} carry?", 12, 480),
+            ("{Name} carried a crew of {value}.", "How large a crew did {name} carry?"),
+            ("A crew of {value} sailed aboard {name}.", "How many crew sailed aboard {name}?"),
+            ("{Name} needed a crew of {value} sailors.", "How many sailors did {name} need as crew?"),
+        ), 100, 650),
         _Fact("captain", "person", (
-            "{Name} was commanded by Captain {value}.",
-            "The captain of {name} was {value}.",
-            "Captain {value} commanded {name}.",
-        ), "Who was the captain of {name}?"),
+            ("{Name} was commanded by Captain {value}.", "Who commanded {name}?"),
+            ("The captain of {name} was {value}.", "Who was the captain of {name}?"),
+            ("Captain {value} commanded {name}.", "Who commanded {name}?"),
+        )),
         _Fact("port", "town", (
-            "The home port of {name} was {value}.",
-            "{Name} sailed from her home port of {value}.",
-            "{Name} had her home port at {value}.",
-        ), "What was the home port of {name}?"),
+            ("The home port of {name} was {value}.", "Which town was the home port of {name}?"),
+            ("{Name} sailed from her home port of {value}.", "Which town was the home port of {name}?"),
+            ("{Name} was registered at the port of {value}.", "At which port was {name} registered?"),
+        )),
     ),
     fillers=(
         "Her hull was painted dark green, with a narrow white band below the rail.",
@@ -523,25 +528,25 @@ _OBSERVATORY = _Kind(
     ),
     facts=(
         _Fact("founded", "year", (
-            "{Name} was founded in {value}.",
-            "It was in {value} that {name} was founded.",
-            "{Name} was first founded in the year {value}.",
-        ), "In what year was {name} founded?", 1780, 1990),
+            ("{Name} was founded in {value}.", "In what year was {name} founded?"),
+            ("It was in {value} that {name} was founded.", "In what year was {name} founded?"),
+            ("{Name} first opened its doors in {value}.", "In what year did {name} first open its doors?"),
+        ), 1780, 1990),
         _Fact("elevation", "count", (
-            "{Name} stands at an elevation of {value} metres.",
-            "{Name} sits {value} metres above sea level.",
-            "At {value} metres above sea level, {name} enjoys thin, dry air.",
-        ), "How many metres above sea level is {name}?", 300, 4200),
+            ("{Name} stands at an elevation of {value} metres.", "At what elevation, in metres, does {name} stand?"),
+            ("{Name} sits {value} metres above sea level.", "How many metres above sea level does {name} sit?"),
+            ("The elevation of {name} is {value} metres.", "What is the elevation of {name} in metres?"),
+        ), 300, 4200),
         _Fact("director", "person", (
-            "The first director of {name} was {value}.",
-            "{value} served as the first director of {name}.",
-            "In its early years {name} was led by its first director, {value}.",
-        ), "Who was the first director of {name}?"),
+            ("The first director of {name} was {value}.", "Who was the first director of {name}?"),
+            ("{value} served as the first director of {name}.", "Who served as the first director of {name}?"),
+            ("{Name} was led in its early years by {value}.", "Who led {name} in its early years?"),
+        )),
         _Fact("mountain", "mountain", (
-            "{Name} stands on the summit of {value}.",
-            "{Name} was built high on the slopes of {value}.",
-            "{Name} is perched on the top of {value}.",
-        ), "On which mountain does {name} stand?"),
+            ("{Name} stands on the summit of {value}.", "On the summit of which mountain does {name} stand?"),
+            ("{Name} was built high on the slopes of {value}.", "On the slopes of which mountain was {name} built?"),
+            ("{Name} is perched on the top of {value}.", "On top of which mountain is {name} perched?"),
+        )),
     ),
     fillers=(
         "The main dome turns on iron wheels and can be opened in a matter of minutes.",
@@ -577,17 +582,18 @@ def _synthetic_item(i: int, k: int, words: int, seed: int) -> tuple[dict, list[s
     """Item `i` of the set, and the exact entity name each document is about (the tests use them)."""
     rng = random.Random(f"synthetic:{seed}:{i}")
     target = _answer_position("synthetic", seed, i, k)
-    # Redraw the rare item where a value shows up by chance in another document (a year inside a
-    # count, a river name inside a town name): an answer must be found in its document only.
+    # Redraw the rare item where a value shows up by chance inside another (a count inside a year, a
+    # river inside a town name): scoring is by containment, so no other value may contain the answer.
     for _ in range(100):
-        item, names = _draw_item(rng, k, words, target)
-        if _unambiguous(item, names[target]):
+        item, names, values = _draw_item(rng, k, words, target)
+        if _unambiguous(item, names[target], values):
             item["id"] = f"syn{seed}-{i:04d}-{item.pop('_tag')}"
             return _ordered(item), names
     raise RuntimeError(f"could not draw an unambiguous synthetic item {i} (seed {seed})")
 
 
-def _draw_item(rng: random.Random, k: int, words: int, target: int) -> tuple[dict, list[str]]:
+def _draw_item(rng: random.Random, k: int, words: int, target: int) -> tuple[dict, list[str], list[str]]:
+    """The item, each document's entity name, and every value stated anywhere but the answer."""
     kind = rng.choice(KINDS)
     flavour = dict(rng.choice(kind.flavours))
     stems = _look_alike_stems(rng, k)
@@ -602,20 +608,24 @@ def _draw_item(rng: random.Random, k: int, words: int, target: int) -> tuple[dic
         slots.update(name=kind.article + core, Name=_cap(kind.article + core))
         slots.update(ref=kind.ref.format(**slots))
         slots["Ref"] = _cap(slots["ref"])
-        doc_values = {f.key: values[f.key][j] for f in kind.facts}
-        docs.append(_write_document(rng, kind, slots, doc_values, words))
+        variants = {f.key: rng.choice(f.variants) for f in kind.facts}
+        statements = [_cap(variants[f.key][0].format(**slots, value=values[f.key][j])) for f in kind.facts]
+        docs.append(_write_document(rng, kind, slots, statements, words))
         names.append(core)
+        if j == target:
+            question = variants[fact.key][1].format(**slots)
 
-    q_slots = {**flavour, "stem": stems[target], "name": kind.article + names[target]}
+    answer = values[fact.key][target]
     item = {
         "system": SYSTEM,
         "documents": docs,
-        "question": fact.question.format(**q_slots),
-        "answers": _answer_forms(fact.value, values[fact.key][target]),
+        "question": question,
+        "answers": _answer_forms(fact.value, answer),
         "answer_doc": target,
         "_tag": f"{kind.key}-{fact.key}",
     }
-    return item, names
+    others = [v for f in kind.facts for v in values[f.key] if not (f is fact and v == answer)]
+    return item, names, others
 
 
 def _look_alike_stems(rng: random.Random, k: int) -> list[str]:
@@ -632,7 +642,7 @@ def _draw_values(rng: random.Random, fact: _Fact, k: int) -> list[str]:
     if fact.value == "count":
         return [f"{c:,}" for c in rng.sample(range(fact.lo, fact.hi + 1), k)]
     if fact.value == "person":
-        # Distinct surnames too: an answer of just a surname still points at one document.
+        # Distinct surnames too, so a reply of just the surname still names one document's value.
         return [f"{rng.choice(_FIRST_NAMES)} {s}" for s in _sample(rng, _SURNAMES, k)]
     if fact.value == "town":
         return _sample(rng, _TOWNS, k)
@@ -658,14 +668,19 @@ def _answer_forms(value_type: str, value: str) -> list[str]:
         forms = [f"River {value}", value]
     elif value_type == "mountain":
         forms.append(value.removeprefix("Mount "))
+    elif value_type == "person":
+        forms.append(value.split()[-1])  # surnames are distinct within an item
     return forms
 
 
-def _write_document(rng: random.Random, kind: _Kind, slots: dict, values: dict, words: int) -> str:
-    # Opener first (it introduces the entity), then the facts scattered among filler sentences.
+def _write_document(rng: random.Random, kind: _Kind, slots: dict, statements: list[str], words: int) -> str:
+    """Opener, then a lead that states the facts among a few fillers, then the remaining fillers.
+
+    Facts sit in the first half or so of the article, as in an encyclopedia entry: SmolLM2-135M
+    finds a fact there more often than near the end of a 150-word document.
+    """
     opener = rng.choice(kind.openers).format(**slots)
-    facts = [_cap(rng.choice(f.statements).format(**slots, value=values[f.key])) for f in kind.facts]
-    total = _count_words(opener) + sum(_count_words(s) for s in facts)
+    total = _count_words(opener) + sum(_count_words(s) for s in statements)
     fillers = []
     for template in rng.sample(kind.fillers, len(kind.fillers)):
         sentence = template.format(**slots)
@@ -674,9 +689,10 @@ def _write_document(rng: random.Random, kind: _Kind, slots: dict, values: dict, 
             break
         fillers.append(sentence)
         total += _count_words(sentence)
-    body = facts + fillers
-    rng.shuffle(body)
-    sentences = [opener, *body]
+    in_lead = len(fillers) // 3
+    lead = statements + fillers[:in_lead]
+    rng.shuffle(lead)
+    sentences = [opener, *lead, *fillers[in_lead:]]
     # Two paragraphs once there is enough text, as a short article would have.
     if len(sentences) >= 8:
         cut = len(sentences) // 2
@@ -684,12 +700,18 @@ def _write_document(rng: random.Random, kind: _Kind, slots: dict, values: dict, 
     return " ".join(sentences)
 
 
-def _unambiguous(item: dict, target_name: str) -> bool:
+def _unambiguous(item: dict, target_name: str, other_values: list[str]) -> bool:
     docs, answers, target = item["documents"], item["answers"], item["answer_doc"]
     if answers[0] not in docs[target]:
         return False
-    others = [d for j, d in enumerate(docs) if j != target]
-    return not any(a in d or target_name in d for a in answers for d in others)
+    # Replying with any other value (a distractor's, or another fact's) must not count as correct.
+    others = [v for value in other_values for v in (value, value.replace(",", ""))]
+    if any(a in v for a in answers for v in others):
+        return False
+    if any(a in docs[target].replace(answers[0], "") for a in answers):
+        return False
+    rest = [d for j, d in enumerate(docs) if j != target]
+    return not any(a in d or target_name in d for a in answers for d in rest)
 
 
 def _cap(text: str) -> str:
@@ -747,7 +769,7 @@ def pydoc_items(n: int, k_docs: int = 8, words_per_doc: int = 150, seed: int = 0
     return [_pydoc_item(i, passages, passages[order[i % len(order)]], k_docs, seed) for i in range(n)]
 
 
-def _pydoc_item(i: int, passages: list[Passage], target: Passage, k: int, seed: int) -> dict:
+def _pydoc_item(i: int, passages: Sequence[Passage], target: Passage, k: int, seed: int) -> dict:
     rng = random.Random(f"pydoc:{seed}:{i}")
     # Different topics and different sections: several topics repeat one section ("with" and
     # "compound" both hold 'The "with" statement'), and the question must point at one passage.
@@ -784,7 +806,8 @@ def _pydoc_question(rng: random.Random, heading: str) -> str:
     return rng.choice(_GENERIC_QUESTIONS).format(h=heading.replace('"', "`"))
 
 
-def pydoc_passages(words_per_doc: int = 150) -> list[Passage]:
+@functools.lru_cache(maxsize=4)
+def pydoc_passages(words_per_doc: int = 150) -> tuple[Passage, ...]:
     """Every topic cut into passages of about `words_per_doc` words, one section each, no duplicates."""
     from pydoc_data.topics import topics
 
@@ -800,7 +823,7 @@ def pydoc_passages(words_per_doc: int = 150) -> list[Passage]:
                 if text not in seen:
                     seen.add(text)
                     passages.append(Passage(topic, heading, text))
-    return passages
+    return tuple(passages)
 
 
 def _sections(text: str) -> list[tuple[str, list[str]]]:

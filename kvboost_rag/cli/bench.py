@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
                    help="comma list; a strategy may carry repair overrides joined by '+', "
                         "e.g. 'cacheblend:recompute_ratio=0.3+select=random'")
     p.add_argument("--limit", type=int, default=None, help="first N items")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    # 32: the bundled model often restates the question before the answer; 16 cuts answers off.
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--plot", type=Path, default=None, help="PNG: speed-up vs continuation KL and accuracy")
     add_engine_options(p)
