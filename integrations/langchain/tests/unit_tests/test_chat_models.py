@@ -1,0 +1,80 @@
+"""Standard LangChain unit tests for ChatKVBoost, and checks that need no model."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_kvboost import ChatKVBoost
+from langchain_kvboost.chat_models import _to_chat_message
+from langchain_tests.unit_tests import ChatModelUnitTests
+from pydantic import ValidationError
+
+
+class TestChatKVBoostUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[ChatKVBoost]:
+        return ChatKVBoost
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return False
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+
+def test_construction_loads_no_model():
+    llm = ChatKVBoost()
+    assert llm.engine is None and llm._engine is None
+    assert llm.model_name == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("bad", [{"strategy": "fastest"}, {"dtype": "int8"}, {"recompute_ratio": 1.5},
+                                 {"max_tokens": 0}, {"top_p": 0.0}, {"temperature": -1.0},
+                                 {"boundary_tokens": -1}])
+def test_rejects_bad_settings(bad):
+    with pytest.raises(ValidationError):
+        ChatKVBoost(**bad)
+
+
+def test_aliases_and_identifying_params():
+    llm = ChatKVBoost(max_new_tokens=5, stop_sequences=["\n"], strategy="selective", boundary_tokens=4)
+    assert llm.max_tokens == 5 and llm.stop == ["\n"]
+    params = llm._identifying_params
+    assert params["strategy"] == "selective" and params["boundary_tokens"] == 4 and params["max_tokens"] == 5
+    assert llm._llm_type == "kvboost-chat"
+    ls = llm._get_ls_params()
+    assert ls["ls_provider"] == "kvboost" and ls["ls_model_name"] == "SmolLM2-135M-Instruct"
+    assert ls["ls_stop"] == ["\n"] and ls["ls_max_tokens"] == 5
+
+
+def test_message_roles_and_text_blocks():
+    assert _to_chat_message(SystemMessage("s")) == {"role": "system", "content": "s"}
+    assert _to_chat_message(HumanMessage("h", name="bob")) == {"role": "user", "content": "h"}
+    assert _to_chat_message(AIMessage("a")) == {"role": "assistant", "content": "a"}
+    assert _to_chat_message(ChatMessage(role="user", content="c")) == {"role": "user", "content": "c"}
+    blocks = HumanMessage([{"type": "text", "text": "one "}, "two"])
+    assert _to_chat_message(blocks) == {"role": "user", "content": "one two"}
+
+
+def test_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="text only"):
+        _to_chat_message(HumanMessage([{"type": "image_url", "image_url": {"url": "data:,"}}]))
+    with pytest.raises(ValueError, match="tool calling"):
+        _to_chat_message(ToolMessage("42", tool_call_id="1"))
+    with pytest.raises(NotImplementedError):
+        ChatKVBoost().bind_tools([])
+    # Checked before the engine is touched: no model load for a misspelt argument.
+    llm = ChatKVBoost()
+    with pytest.raises(TypeError, match="max_new_token"):
+        llm._request([HumanMessage("hi")], None, {"max_new_token": 3})
+    with pytest.raises(TypeError, match="tool calling"):
+        llm._request([HumanMessage("hi")], None, {"tools": []})
+    with pytest.raises(ValueError, match="unknown strategy"):
+        llm._request([HumanMessage("hi")], None, {"strategy": "fastest"})
+    assert llm._engine is None

@@ -1,0 +1,93 @@
+"""One engine per (model, dtype) in the process, and stepping an engine stream from asyncio.
+
+Several `ChatKVBoost` objects (one per chain, per temperature, ...) must not load the model, nor
+keep separate KV stores, more than once: `shared_engine` hands every caller the same `KVBoost`.
+
+`astream_pieces` runs each step of `KVBoost.stream` (the prefill, then one decode step) on a
+single worker thread per engine, so the event loop never blocks on the model and concurrent
+requests interleave token by token in arrival order. The engine already holds its own lock per
+forward; the single worker only keeps the queue fair and lets a cancelled stream be closed after
+the step it is in finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvboost_rag import KVBoost, StreamPiece
+from kvboost_rag.models import BUNDLED_NAME, DTYPES
+
+_ENGINES: dict[tuple[str, str], KVBoost] = {}
+_LOCK = threading.Lock()
+_WORKERS: weakref.WeakKeyDictionary[KVBoost, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
+_DONE = object()
+
+
+def model_key(model: str | None) -> str:
+    """A stable name for the cache: the bundled model's name, a resolved local folder, or a hub id."""
+    if model is None:
+        return BUNDLED_NAME
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
+def shared_engine(model: str | None = None, dtype: str = "float32") -> KVBoost:
+    """The process-wide engine for (model, dtype), loaded on first use."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    key = (model_key(model), dtype)
+    # Loading under the lock: a second caller waits for the first load instead of loading again.
+    with _LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = KVBoost.from_pretrained(model, dtype=dtype)
+            _ENGINES[key] = engine
+        return engine
+
+
+def _worker(engine: KVBoost) -> ThreadPoolExecutor:
+    with _LOCK:
+        pool = _WORKERS.get(engine)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost")
+            _WORKERS[engine] = pool
+        return pool
+
+
+async def astream_pieces(engine: KVBoost, stream: Iterator[StreamPiece]) -> AsyncIterator[StreamPiece]:
+    """Iterate `stream` (made by `engine.stream`) without blocking the event loop."""
+    pool = _worker(engine)
+    try:
+        while True:
+            piece = await asyncio.wrap_future(pool.submit(next, stream, _DONE))
+            if piece is _DONE:
+                return
+            yield piece
+    finally:
+        # Queued behind any step still running (one worker), so a cancelled stream is closed safely.
+        pool.submit(stream.close)
+
+
+_SCOPES: weakref.WeakKeyDictionary[KVBoost, str] = weakref.WeakKeyDictionary()
+
+
+def engine_scope(engine: KVBoost) -> str:
+    """Names where `engine` keeps its KV: the same string means the same stored documents.
+
+    A persistent store (disk_dir) is named by its folder, so it stays valid across processes; an
+    in-memory store lives and dies with its engine object, so it gets a fresh name per engine.
+    """
+    disk_dir = engine.config.store.disk_dir
+    if disk_dir is not None:
+        return f"{engine.fingerprint[:16]}@{Path(disk_dir).resolve()}"
+    with _LOCK:
+        scope = _SCOPES.get(engine)
+        if scope is None:
+            scope = _SCOPES[engine] = f"{engine.fingerprint[:16]}@memory:{uuid.uuid4().hex}"
+        return scope
