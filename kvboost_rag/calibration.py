@@ -11,6 +11,7 @@ engine fingerprint (model, weights, dtype, tokenizer, encoding), so a model is c
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from .assembly import COMPUTE, Plan, assemble
 from .documents import DocumentIndex
 
 CALIB_DATA = Path(__file__).resolve().parent / "bench" / "synthetic_calib.jsonl"
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -55,26 +56,45 @@ def document_spans(plan: Plan, source: str | None = None) -> list[tuple[int, int
     return [(s, e) for s, e, ok in spans if ok]
 
 
-def question_rows(plan: Plan, positions: torch.Tensor) -> torch.Tensor:
-    """Indices into `positions` of the tokens after the last document (the question and the tail)."""
+def question_rows(plan: Plan, positions: torch.Tensor, suffix_tokens: int = 0) -> torch.Tensor:
+    """Indices into `positions` of the question: the tokens after the last document, less the
+    template's closing `suffix_tokens` (all of them if that would leave none)."""
     docs = document_spans(plan)
     last = docs[-1][1] if docs else 0
-    return torch.nonzero(positions >= last).flatten()
+    rows = torch.nonzero(positions >= last).flatten()
+    return rows[:-suffix_tokens] if 0 < suffix_tokens < rows.numel() else rows
 
 
-def span_mass(probs: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Attention mass on each span, averaged over query rows. probs: [H, R, S] -> [H, len(spans)]."""
-    mean = probs.mean(dim=1)  # [H, S]
-    return torch.stack([mean[:, s:e].sum(-1) for s, e in spans], dim=-1)
+def template_suffix_tokens(engine) -> int:
+    """How many tokens the chat template puts after a user message's content (0 without a template)."""
+    marker = "\x00kvboost-q\x00"
+    try:
+        rendered = engine.render([{"role": "user", "content": marker}])
+    except ValueError:
+        return 0
+    tail = rendered[rendered.index(marker) + len(marker):]
+    return len(engine.tokenizer(tail, add_special_tokens=False)["input_ids"]) if tail else 0
 
 
+def span_scores(probs: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """How strongly the question points at each span: every query row's attention share of each
+    span (its mass over the spans' total), the max over rows. probs: [H, R, S] -> [H, len(spans)].
+
+    The max, not the mean: the rows that look up a document are few (the entity's name), the rest
+    of the question attends locally."""
+    mass = torch.stack([probs[:, :, s:e].sum(-1) for s, e in spans], dim=-1)  # [H, R, D]
+    share = mass / mass.sum(-1, keepdim=True).clamp_min(1e-9)
+    return share.max(dim=1).values
+
+
+@torch.inference_mode()
 def naive_pass(engine, prompt, layers: range, probe_layers) -> tuple[Plan, dict[int, torch.Tensor], list]:
     """The question's attention over the naive cache: (plan, {layer: [H, R, S]}, document spans)."""
     p = engine.plan(prompt, "naive")
     n = p.num_tokens
     cache = assemble(p, engine.adapter, n)
     uncached = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
-    rows = question_rows(p, uncached)
+    rows = question_rows(p, uncached, template_suffix_tokens(engine))
     _, probes = engine.adapter.run_layers_probed(engine.adapter.embed(p.token_ids[uncached]), uncached, cache,
                                                  layers, n, set(probe_layers), rows)
     return p, probes, document_spans(p)
@@ -90,8 +110,7 @@ def calibrate(engine, items, max_heads: int = 8) -> RetrievalHeads:
     from .store import make_store
 
     sibling = copy.copy(engine)
-    sibling.store = make_store(StoreConfig(), engine.fingerprint)
-    sibling.documents = DocumentIndex(None)
+    sibling.counters = collections.Counter()  # the engine's own counters count its requests only
     adapter = engine.adapter
     hits = torch.zeros(adapter.num_layers, adapter.num_heads)
     margin = torch.zeros(adapter.num_layers, adapter.num_heads)
@@ -99,15 +118,16 @@ def calibrate(engine, items, max_heads: int = 8) -> RetrievalHeads:
     for item in items:
         if item.answer_doc is None:
             continue
+        # A fresh store per item: only this item's documents are ever held.
+        sibling.store, sibling.documents = make_store(StoreConfig(), engine.fingerprint), DocumentIndex(None)
         sibling.ingest(list(item.documents), progress=False)
         _, probes, spans = naive_pass(sibling, render_prompt(item), range(adapter.num_layers),
                                       range(adapter.num_layers))
         if len(spans) != len(item.documents):
             continue
         for layer, probs in probes.items():
-            mass = span_mass(probs, spans)  # [H, D]
-            share = mass / mass.sum(-1, keepdim=True).clamp_min(1e-9)
-            hits[layer] += (mass.argmax(-1) == item.answer_doc).float()
+            share = span_scores(probs, spans)  # [H, D]
+            hits[layer] += (share.argmax(-1) == item.answer_doc).float()
             margin[layer] += share[:, item.answer_doc]
         used += 1
     if used == 0:
@@ -153,9 +173,8 @@ def retrieval_heads(engine, *, items: int = 24, max_heads: int = 8, data: Path =
 
 def head_doc_scores(probes: dict[int, torch.Tensor], heads: Sequence[tuple[int, int]],
                     spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Each span's share of the question's attention, summed over the given heads: [len(spans)]."""
+    """Each span's `span_scores`, summed over the given heads: [len(spans)]."""
     total = torch.zeros(len(spans))
     for layer, head in heads:
-        mass = span_mass(probes[layer][head:head + 1], spans)[0]
-        total += (mass / mass.sum().clamp_min(1e-9)).cpu()
+        total += span_scores(probes[layer][head:head + 1], spans)[0].cpu()
     return total

@@ -36,7 +36,10 @@ class RepairConfig:
     # cacheblend: seed of the random control, so a bench run is repeatable.
     seed: int = 0
     # queryaware: how many calibrated retrieval heads (best first) rank the documents for the question.
-    qa_heads: int = 8
+    qa_heads: int = 3
+    # queryaware: tuning-split items the retrieval heads are calibrated on (once per model, cached on disk;
+    # a saved calibration on at least this many items is reused).
+    qa_calib_items: int = 24
     # queryaware: how many documents, the question's top ones at the retrieval heads, are recomputed.
     qa_docs: int = 1
     # queryaware: what of the reused documents after the first chosen one is also recomputed:
@@ -47,6 +50,9 @@ class RepairConfig:
     # queryaware: logit bias subtracted from the question's attention to the reused documents not chosen
     # (0 = off): damps stale look-alikes against the recomputed document.
     qa_damp: float = 0.0
+    # queryaware: "prompt" keeps the documents in place; "relevance_last" moves the chosen documents after
+    # the others before recomputing them (changes the prompt: no stale distractor follows the answer).
+    qa_order: str = "prompt"
 
 
 @dataclass(frozen=True)

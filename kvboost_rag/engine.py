@@ -29,14 +29,14 @@ from . import keys as keyring
 from . import models
 from .adapter import ModelAdapter
 from .assembly import COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
-from .calibration import retrieval_heads
+from .calibration import document_spans, retrieval_heads, template_suffix_tokens
 from .chunking import chunk_document
 from .config import STRATEGIES, EngineConfig
 from .documents import Document, DocumentIndex
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
 from .repair.cacheblend import cacheblend_prefill
-from .repair.queryaware import queryaware_prefill
+from .repair.queryaware import check_config, move_last, queryaware_prefill, rank_documents, recompute, top_documents
 from .repair.selective import selective_positions
 from .store import make_store
 from .store.base import KVEntry, KVStore
@@ -245,9 +245,11 @@ class KVBoost:
             cache = assemble(p, self.adapter, n + max_new_tokens)
             if strategy == "cacheblend":
                 hidden, recomputed = cacheblend_prefill(self.adapter, cache, p, repair)
+            elif strategy == "queryaware" and repair.qa_order == "relevance_last":
+                p, cache, hidden, recomputed = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
             elif strategy == "queryaware":
-                hidden, recomputed = queryaware_prefill(self.adapter, cache, p, repair,
-                                                        retrieval_heads(self, max_heads=repair.qa_heads))
+                hidden, recomputed = queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
+                                                        template_suffix_tokens(self))
             else:
                 if strategy == "selective":
                     recomputed = selective_positions(p, repair.boundary_tokens)
@@ -260,6 +262,33 @@ class KVBoost:
             if write_back and strategy != "full":
                 self._write_back(p, cache)
         return Prefill(p, cache, logits, int(recomputed.numel()), strategy, started, ttft_ms)
+
+    def _retrieval_heads(self, repair):
+        """This engine's calibrated retrieval heads (see `calibration.retrieval_heads`)."""
+        return retrieval_heads(self, max_heads=repair.qa_heads, items=repair.qa_calib_items)
+
+    def _relevance_last(self, prompt: str | Messages, p: Plan, cache: KVBuffers, repair,
+                        max_new_tokens: int) -> tuple[Plan, KVBuffers, torch.Tensor, torch.Tensor]:
+        """queryaware with qa_order="relevance_last": rank the documents over the naive cache, move
+        the chosen ones after the others (a new prompt), then recompute them and the uncached tokens."""
+        check_config(repair)
+        heads = list(self._retrieval_heads(repair).heads[:max(repair.qa_heads, 1)])
+        spans = document_spans(p)
+        segments = split_segments(self.render(prompt), self.documents)
+        if not spans or repair.qa_docs <= 0 or len(spans) != sum(isinstance(s, Document) for s in segments):
+            # Documents back to back (no text between them) share a span: keep the prompt's order.
+            return p, cache, *queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
+                                                 template_suffix_tokens(self))
+        scores, _, _ = rank_documents(self.adapter, cache, p, spans, heads, template_suffix_tokens(self))
+        chosen = top_documents(scores, repair.qa_docs)
+        chunks = tokenize_segments(move_last(segments, chosen), self.tokenizer, self.config.chunking.max_chunk_tokens,
+                                   self._bos_ids, self._special_ids)
+        p = plan(chunks, self.fingerprint, self.store, True, True)
+        cache = assemble(p, self.adapter, p.num_tokens + max_new_tokens)
+        k = len(spans)
+        last = list(range(k - len(chosen), k))  # the chosen documents, now the last ones
+        hidden, recomputed = recompute(self.adapter, cache, p, repair, document_spans(p), last)
+        return p, cache, hidden, recomputed
 
     def _write_back(self, p: Plan, cache: KVBuffers) -> None:
         """Store the chunks this request computed with exact context under their prefix keys."""
