@@ -1,6 +1,6 @@
 """LangChain integration of kvboost-rag: a chat model that reuses precomputed document KV."""
 
-from langchain_kvboost._engines import shared_engine
+from kvboost_rag.serving import shared_engine
 from langchain_kvboost.chat_models import ChatKVBoost
 from langchain_kvboost.prewarm import DOC_ID_KEY, KVBoostPrewarmTransformer
 

@@ -24,8 +24,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from kvboost_rag import Generation, KVBoost
 from kvboost_rag.config import STRATEGIES
 from kvboost_rag.models import DTYPES
-
-from ._engines import astream_pieces, model_key, shared_engine
+from kvboost_rag.serving import astream_pieces, model_key, shared_engine
 
 # Per-call keyword arguments (`invoke(..., strategy="full")`, `.bind(max_tokens=8)`).
 _CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "recompute_ratio",

@@ -28,8 +28,7 @@ from llama_index.core.schema import BaseNode, MetadataMode
 from kvboost_rag import Generation, KVBoost
 from kvboost_rag.config import STRATEGIES
 from kvboost_rag.models import DTYPES
-
-from ._engines import astream_pieces, model_key, shared_engine
+from kvboost_rag.serving import astream_pieces, model_key, shared_engine
 
 # Per-call keyword arguments: `llm.complete(prompt, strategy="full")`.
 _CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "recompute_ratio",

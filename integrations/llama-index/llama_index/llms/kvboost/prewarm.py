@@ -10,8 +10,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from kvboost_rag import KVBoost
+from kvboost_rag.serving import engine_scope
 
-from ._engines import engine_scope
 from .base import KVBoostLLM
 
 DOC_ID_KEY = "kvboost_doc_id"

@@ -1,6 +1,7 @@
-"""One engine per (model, dtype) in the process, and stepping an engine stream from asyncio.
+"""Serving one engine to many callers: one engine per (model, dtype) in the process, and stepping
+an engine stream from asyncio. Framework-neutral; both integrations (LangChain, LlamaIndex) use it.
 
-Several `ChatKVBoost` objects (one per chain, per temperature, ...) must not load the model, nor
+Several LLM objects (one per chain, per temperature, per framework...) must not load the model, nor
 keep separate KV stores, more than once: `shared_engine` hands every caller the same `KVBoost`.
 
 `astream_pieces` runs each step of `KVBoost.stream` (the prefill, then one decode step) on a
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvboost_rag import KVBoost, StreamPiece
-from kvboost_rag.models import BUNDLED_NAME, DTYPES
+from .engine import KVBoost, StreamPiece
+from .models import BUNDLED_NAME, DTYPES
 
 _ENGINES: dict[tuple[str, str], KVBoost] = {}
 _LOCK = threading.Lock()
@@ -71,3 +73,22 @@ async def astream_pieces(engine: KVBoost, stream: Iterator[StreamPiece]) -> Asyn
     finally:
         # Queued behind any step still running (one worker), so a cancelled stream is closed safely.
         pool.submit(stream.close)
+
+
+_SCOPES: weakref.WeakKeyDictionary[KVBoost, str] = weakref.WeakKeyDictionary()
+
+
+def engine_scope(engine: KVBoost) -> str:
+    """Names where `engine` keeps its KV: the same string means the same stored documents.
+
+    A persistent store (disk_dir) is named by its folder, so it stays valid across processes; an
+    in-memory store lives and dies with its engine object, so it gets a fresh name per engine.
+    """
+    disk_dir = engine.config.store.disk_dir
+    if disk_dir is not None:
+        return f"{engine.fingerprint[:16]}@{Path(disk_dir).resolve()}"
+    with _LOCK:
+        scope = _SCOPES.get(engine)
+        if scope is None:
+            scope = _SCOPES[engine] = f"{engine.fingerprint[:16]}@memory:{uuid.uuid4().hex}"
+        return scope
