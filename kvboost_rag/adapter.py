@@ -128,6 +128,11 @@ class ModelAdapter:
             visible = torch.arange(attend_len, device=self.device)[None, :] <= positions[:, None]
             mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=self.device)
             mask = mask.masked_fill_(~visible, torch.finfo(hidden.dtype).min)[None, None]
+        return self._drive(hidden, positions, cache, layers, mask)
+
+    def _drive(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers, layers: range,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """The decoder layers' own forward over `hidden`, with our cache and mask."""
         position_embeddings = self.rope(positions, hidden)
         kwargs = {self._cache_kw: cache, "attention_mask": mask, "position_ids": positions[None],
                   "position_embeddings": position_embeddings, "use_cache": True}
@@ -207,10 +212,4 @@ class ModelAdapter:
         rows = torch.arange(q, device=self.device) if query_rows is None else query_rows.to(self.device)
         bias[rows] = key_bias.to(self.device, hidden.dtype)[None]
         mask = bias.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]
-        position_embeddings = self.rope(positions, hidden)
-        kwargs = {self._cache_kw: cache, "attention_mask": mask, "position_ids": positions[None],
-                  "position_embeddings": position_embeddings, "use_cache": True}
-        for i in layers:
-            out = self.layers[i](hidden, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return hidden
+        return self._drive(hidden, positions, cache, layers, mask)
