@@ -13,6 +13,13 @@ from pathlib import Path
 STRATEGIES = ("full", "prefix", "naive", "selective", "cacheblend", "queryaware")
 
 
+def check_strategy(strategy: str) -> str:
+    """The strategy name, or a ValueError listing the known ones."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    return strategy
+
+
 @dataclass(frozen=True)
 class ChunkingConfig:
     # A document longer than this is split at paragraph, then sentence, then word boundaries.

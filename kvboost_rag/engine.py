@@ -31,7 +31,7 @@ from .adapter import ModelAdapter
 from .assembly import COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
 from .calibration import document_spans, retrieval_heads, template_suffix_tokens
 from .chunking import chunk_document
-from .config import STRATEGIES, EngineConfig
+from .config import EngineConfig, check_strategy
 from .documents import Document, DocumentIndex
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
@@ -218,7 +218,7 @@ class KVBoost:
         return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
 
     def plan(self, prompt: str | Messages, strategy: str) -> Plan:
-        _check_strategy(strategy)
+        check_strategy(strategy)
         segments = split_segments(self.render(prompt), self.documents)
         chunks = tokenize_segments(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
                                    self._special_ids)
@@ -365,10 +365,6 @@ class KVBoost:
                 return piece.result
         raise AssertionError("stream ended without a result")
 
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
 
 
 def _tokenizer_digest(tokenizer) -> str:

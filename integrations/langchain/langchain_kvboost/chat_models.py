@@ -22,8 +22,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from kvboost_rag import Generation, KVBoost
-from kvboost_rag.config import STRATEGIES
-from kvboost_rag.models import DTYPES
+from kvboost_rag.config import check_strategy
+from kvboost_rag.models import parse_dtype
 from kvboost_rag.serving import astream_pieces, model_key, shared_engine
 
 # Per-call keyword arguments (`invoke(..., strategy="full")`, `.bind(max_tokens=8)`).
@@ -103,15 +103,12 @@ class ChatKVBoost(BaseChatModel):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
-        if value not in STRATEGIES:
-            raise ValueError(f"unknown strategy {value!r}; use one of {', '.join(STRATEGIES)}")
-        return value
+        return check_strategy(value)
 
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; use one of {', '.join(DTYPES)}")
+        parse_dtype(value)  # raises on an unknown name
         return value
 
     # ---- the engine ------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvboost_rag import Generation, KVBoost
-from kvboost_rag.config import STRATEGIES
-from kvboost_rag.models import DTYPES
+from kvboost_rag.config import check_strategy
+from kvboost_rag.models import parse_dtype
 from kvboost_rag.serving import astream_pieces, model_key, shared_engine
 
 # Per-call keyword arguments: `llm.complete(prompt, strategy="full")`.
@@ -102,15 +102,12 @@ class KVBoostLLM(CustomLLM):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
-        if value not in STRATEGIES:
-            raise ValueError(f"unknown strategy {value!r}; use one of {', '.join(STRATEGIES)}")
-        return value
+        return check_strategy(value)
 
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; use one of {', '.join(DTYPES)}")
+        parse_dtype(value)  # raises on an unknown name
         return value
 
     @classmethod
