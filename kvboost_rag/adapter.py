@@ -106,12 +106,22 @@ class ModelAdapter:
         keys32 = keys.float()
         return (keys32 * cos[0] + self._rotate_half(keys32) * sin[0]).to(keys.dtype)
 
+    def causal_mask(self, positions: torch.Tensor, attend_len: int, dtype: torch.dtype) -> torch.Tensor:
+        """Each query (at `positions` [Q]) sees the cache up to its own position: [1, 1, Q, attend_len].
+
+        Additive float mask: sdpa's CPU kernels run it faster than a boolean one."""
+        positions = positions.to(self.device)
+        visible = torch.arange(attend_len, device=self.device)[None, :] <= positions[:, None]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
+
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers,
-                   layers: range, attend_len: int) -> torch.Tensor:
+                   layers: range, attend_len: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run `hidden` (the tokens at `positions`) through `layers`, writing their K/V into `cache`.
 
         hidden: [1, Q, H]; positions: [Q] ascending. Each query attends to every cached position
-        up to and including its own; the cache must already hold K/V for the other positions.
+        up to and including its own (or as `mask`, from `causal_mask`, says); the cache must already
+        hold K/V for the other positions.
         """
         positions = positions.to(self.device)
         q = positions.shape[0]
@@ -121,13 +131,9 @@ class ModelAdapter:
         else:
             cache.write_positions = positions
         cache.attend_len = attend_len
-        if contiguous and int(positions[-1]) == attend_len - 1 and (q == attend_len or q == 1):
-            mask = None  # plain causal (sdpa's is_causal) or a single query that sees everything
-        else:
-            # Additive float mask: sdpa's CPU kernels run it faster than a boolean one.
-            visible = torch.arange(attend_len, device=self.device)[None, :] <= positions[:, None]
-            mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=self.device)
-            mask = mask.masked_fill_(~visible, torch.finfo(hidden.dtype).min)[None, None]
+        if mask is None and not (contiguous and int(positions[-1]) == attend_len - 1 and (q == attend_len or q == 1)):
+            mask = self.causal_mask(positions, attend_len, hidden.dtype)
+        # else: no mask is plain causal (sdpa's is_causal) or a single query that sees everything
         return self._drive(hidden, positions, cache, layers, mask)
 
     def _drive(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers, layers: range,
@@ -140,6 +146,22 @@ class ModelAdapter:
             out = self.layers[i](hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+    def project_kv(self, layer: int, hidden: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V layer `layer` writes for its input `hidden` [1, Q, H] at `positions` [Q], without
+        running its attention or MLP: [1, H_kv, Q, D] each, the same operations as its attention module."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        normed = block.input_layernorm(hidden)
+        shape = (1, hidden.shape[1], -1, self.head_dim)
+        keys = attn.k_proj(normed).view(shape)
+        if getattr(attn, "k_norm", None) is not None:  # qwen3
+            keys = attn.k_norm(keys)
+        keys, values = keys.transpose(1, 2), attn.v_proj(normed).view(shape).transpose(1, 2)
+        cos, sin = self.rope(positions, hidden)
+        cos, sin = cos[:, None], sin[:, None]
+        return keys * cos + self._rotate_half(keys) * sin, values
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [1, S, H] -> logits: [S, V] in fp32."""

@@ -36,8 +36,19 @@ class RepairConfig:
     boundary_tokens: int = 16
     # cacheblend: all tokens run through layers [0, check_layer]; deviation is measured there.
     check_layer: int = 1
-    # cacheblend: fraction of reused tokens recomputed in the layers after the check layer.
+    # cacheblend: fraction of reused tokens recomputed per layer after the check layer, averaged over
+    # those layers (the repair's cost; 1.0 recomputes everything).
     recompute_ratio: float = 0.15
+    # cacheblend: the set is filtered again at every layer by that layer's deviation, shrinking
+    # geometrically so that the first layer after the check runs `taper` times more tokens than the
+    # last (1.0: one set for all layers, the original CacheBlend).
+    taper: float = 8.0
+    # cacheblend: deviation is weighted by ((position + 1) / n) ** recency before ranking (0: unweighted).
+    recency: float = 1.0
+    # cacheblend: round each layer's set to a multiple of this many tokens (0: exact counts), so that the
+    # shrinking sets repeat a few matrix shapes across layers and requests: kernels that set up per
+    # shape (oneDNN's bf16 on CPU) then reuse their setup.
+    size_multiple: int = 0
     # cacheblend: how tokens are ranked, "deviation" (the method) or "random" (the control).
     select: str = "deviation"
     # cacheblend: seed of the random control, so a bench run is repeatable.

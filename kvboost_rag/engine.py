@@ -80,7 +80,9 @@ class Generation:
     prompt_tokens: int
     reused_tokens: int  # prompt tokens whose KV came from the store and was not recomputed
     exact_tokens: int  # of those, exact prefix hits
-    recomputed_tokens: int  # prompt tokens computed through every layer in this request
+    # prompt tokens computed through every layer in this request (cacheblend: tokens run per repaired
+    # layer, averaged over those layers, since its set shrinks layer by layer)
+    recomputed_tokens: int
 
     @property
     def generated_tokens(self) -> int:
@@ -244,7 +246,8 @@ class KVBoost:
                                  "fewer documents")
             cache = assemble(p, self.adapter, n + max_new_tokens)
             if strategy == "cacheblend":
-                hidden, recomputed = cacheblend_prefill(self.adapter, cache, p, repair)
+                blend = cacheblend_prefill(self.adapter, cache, p, repair)
+                hidden, recomputed = blend.hidden, blend.recomputed_tokens
             elif strategy == "queryaware" and repair.qa_order == "relevance_last":
                 p, cache, hidden, recomputed = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
             elif strategy == "queryaware":
@@ -261,7 +264,8 @@ class KVBoost:
             ttft_ms = (time.perf_counter() - started) * 1e3
             if write_back and strategy != "full":
                 self._write_back(p, cache)
-        return Prefill(p, cache, logits, int(recomputed.numel()), strategy, started, ttft_ms)
+        recomputed = recomputed if isinstance(recomputed, int) else int(recomputed.numel())
+        return Prefill(p, cache, logits, recomputed, strategy, started, ttft_ms)
 
     def _retrieval_heads(self, repair):
         """This engine's calibrated retrieval heads (see `calibration.retrieval_heads`)."""

@@ -28,9 +28,6 @@ class KVBuffers:
         self.write_positions: torch.Tensor | None = None  # [Q] long, or None for a contiguous run
         self.write_start = 0
         self.attend_len = 0
-        # When set, `update` saves what it overwrites at this layer (CacheBlend's deviation check).
-        self.capture_layer: int | None = None
-        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -48,14 +45,9 @@ class KVBuffers:
         if self.write_positions is None:
             q = key_states.shape[2]
             window = slice(self.write_start, self.write_start + q)
-            if layer_idx == self.capture_layer:
-                self.captured = (layer_keys[:, :, window].clone(), layer_values[:, :, window].clone())
             layer_keys[:, :, window] = key_states
             layer_values[:, :, window] = value_states
         else:
-            if layer_idx == self.capture_layer:
-                self.captured = (layer_keys[:, :, self.write_positions].clone(),
-                                 layer_values[:, :, self.write_positions].clone())
             layer_keys.index_copy_(2, self.write_positions, key_states)
             layer_values.index_copy_(2, self.write_positions, value_states)
         return layer_keys[:, :, :self.attend_len], layer_values[:, :, :self.attend_len]

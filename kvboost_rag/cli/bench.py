@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--strategies", default="full,prefix,naive,selective,cacheblend",
                    help="comma list; a strategy may carry repair overrides joined by '+', "
                         "e.g. 'cacheblend:recompute_ratio=0.3+select=random'")
-    p.add_argument("--limit", type=int, default=None, help="first N items")
+    p.add_argument("--limit", type=int, default=None, help="N items (after --skip)")
+    p.add_argument("--skip", type=int, default=0, help="skip the first N items (a tuning slice, say)")
     # 32: the bundled model often restates the question before the answer; 16 cuts answers off.
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -28,7 +29,9 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    items = load_items(args.data, limit=args.limit)
+    if args.skip < 0:
+        raise SystemExit("--skip must be >= 0")
+    items = load_items(args.data, limit=None if args.limit is None else args.skip + args.limit)[args.skip:]
     specs = parse_strategies(args.strategies, engine_config(args).repair)
     engine = make_engine(args)
     report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens)

@@ -20,7 +20,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                    help="what documents are encoded after at ingestion: nothing, or the chat template's opening")
     r = parser.add_argument_group("repair")
     r.add_argument("--boundary-tokens", type=int, default=RepairConfig.boundary_tokens, help="selective: k")
-    r.add_argument("--recompute-ratio", type=float, default=RepairConfig.recompute_ratio, help="cacheblend: r")
+    r.add_argument("--recompute-ratio", type=float, default=RepairConfig.recompute_ratio,
+                   help="cacheblend: fraction of reused tokens recomputed per layer, averaged (1.0 = full prefill)")
+    r.add_argument("--taper", type=float, default=RepairConfig.taper,
+                   help="cacheblend: first repaired layer's set over the last's (1.0 = one set, original CacheBlend)")
+    r.add_argument("--recency", type=float, default=RepairConfig.recency,
+                   help="cacheblend: exponent of the position weight on deviation (0 = none)")
     r.add_argument("--check-layer", type=int, default=RepairConfig.check_layer, help="cacheblend: check layer")
     r.add_argument("--select", default=RepairConfig.select, choices=["deviation", "random"],
                    help="cacheblend: rank reused tokens by KV deviation, or pick at random (the control)")
@@ -35,7 +40,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         chunking=ChunkingConfig(max_chunk_tokens=args.max_chunk_tokens, doc_context=args.doc_context),
         repair=RepairConfig(boundary_tokens=args.boundary_tokens, recompute_ratio=args.recompute_ratio,
-                            check_layer=args.check_layer, select=args.select),
+                            taper=args.taper, recency=args.recency, check_layer=args.check_layer,
+                            select=args.select),
         store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
     )
 

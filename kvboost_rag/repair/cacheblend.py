@@ -1,15 +1,28 @@
-"""CacheBlendRecompute: recompute the reused tokens whose KV deviates most from the truth.
+"""CacheBlend repair with progressive per-layer selection.
 
-All non-exact tokens run through layers 0..check_layer. At the check layer each reused token's
-fresh K/V is compared with its cached K/V; the `recompute_ratio` fraction that deviates most
-(plus every uncached token) continues through the remaining layers, attending to the fused cache,
-and overwrites its K/V in place. The other reused tokens keep their cached K/V from the check
-layer on, so the cost after the check layers scales with the selected fraction.
+All non-exact tokens run through layers 0..check_layer - 1. From the check layer on, at every layer,
+each token still in the set gets that layer's fresh K/V by projection alone (norm, k/v projections,
+RoPE), which is compared with its cached K/V; the reused tokens that deviate most (plus every uncached
+token) run the whole layer, attending to the fused cache, and stay in the set; the others keep the
+fresh K/V just written and their cached K/V in every deeper layer. The set shrinks geometrically, the
+first repaired layer holding `taper` times more reused tokens than the last, keeping the tokens whose
+KV is still moving.
+
+Why progressive: the check layer's deviation only roughly predicts which tokens are stale deep in the
+network; measuring again at each layer (as CacheBlend's paper does) spends the budget on the tokens that
+stay wrong. Why the recency weight: the question attends most to the documents just before it, and the
+later a document sits the more context its stored KV never saw; deviation is scaled by
+((position + 1) / n) ** recency before ranking.
+
+Cost: `recompute_ratio` is the fraction of reused tokens run per layer after the check layer, averaged
+over those layers (1.0 recomputes everything: a full prefill). A request reports as its recomputed
+tokens the number of tokens run per layer after the check layer (uncached ones included), averaged.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +32,19 @@ from ..config import RepairConfig
 from ..kvcache import KVBuffers
 
 SELECT_MODES = ("deviation", "random")
+
+
+@dataclass(frozen=True)
+class BlendResult:
+    hidden: torch.Tensor  # [1, 1, H], the last token after the last layer
+    layer_positions: list[torch.Tensor]  # positions given fresh K/V at each layer after the check layer
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Tokens given fresh K/V per layer after the check layer, averaged over those layers."""
+        if not self.layer_positions:
+            return 0
+        return round(sum(p.numel() for p in self.layer_positions) / len(self.layer_positions))
 
 
 def kv_deviation(fresh: tuple[torch.Tensor, torch.Tensor], cached: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -41,28 +67,80 @@ def choose(deviation: torch.Tensor, candidates: torch.Tensor, count: int, mode: 
     raise ValueError(f"unknown select mode {mode!r}; use one of {', '.join(SELECT_MODES)}")
 
 
-def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan,
-                       config: RepairConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill with CacheBlend repair. Returns (hidden of the last token [1, 1, H], recomputed positions)."""
-    n = plan.num_tokens
+def layer_fractions(average: float, taper: float, layers: int) -> list[float]:
+    """Per-layer fractions r_j = min(1, s * taper ** (-j / (layers - 1))) whose mean is `average`.
+
+    `taper` >= 1 is how many times more tokens the first layer after the check runs than the last;
+    1 keeps one set for all layers (the original CacheBlend)."""
+    if layers <= 0:
+        return []
+    if average >= 1.0:
+        return [1.0] * layers
+    if average <= 0.0:
+        return [0.0] * layers
+    decay = [taper ** (-j / (layers - 1)) if layers > 1 else 1.0 for j in range(layers)]
+
+    def mean(scale: float) -> float:
+        return sum(min(1.0, scale * d) for d in decay) / layers
+
+    low, high = 0.0, 1.0 / decay[-1]  # mean(high) = 1 >= average
+    for _ in range(60):  # bisection: the clipped mean is monotonic in the scale
+        mid = (low + high) / 2
+        low, high = (mid, high) if mean(mid) < average else (low, mid)
+    return [min(1.0, high * d) for d in decay]
+
+
+def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig,
+                       position_weight: torch.Tensor | None = None) -> BlendResult:
+    """Prefill with progressive CacheBlend repair, writing the repaired K/V into `cache`.
+
+    `position_weight` [n], optional, multiplies every position's deviation score (on top of recency)."""
+    if config.select not in SELECT_MODES:
+        raise ValueError(f"unknown select mode {config.select!r}; use one of {', '.join(SELECT_MODES)}")
+    n, num_layers = plan.num_tokens, adapter.num_layers
     uncached = torch.unique(torch.cat([plan.positions(COMPUTE), torch.tensor([n - 1])]))
     reused = plan.positions(APPROX)
-    first = torch.unique(torch.cat([uncached, reused]))  # sorted; exact hits are never recomputed
-    check = min(max(config.check_layer, 0), adapter.num_layers - 1)
+    positions = torch.unique(torch.cat([uncached, reused]))  # sorted; exact hits are never recomputed
+    check = min(max(config.check_layer, 0), num_layers - 1)
+    # fractions[j]: of the reused tokens, how many get fresh K/V at layer check + 1 + j.
+    fractions = layer_fractions(config.recompute_ratio, max(config.taper, 1.0), num_layers - check - 1)
+    num_reused = int(torch.isin(positions, uncached, invert=True).sum())
+    weight = ((positions.float() + 1) / n) ** config.recency  # [Q] later tokens count more
+    if position_weight is not None:
+        weight = weight * position_weight[positions]
 
-    cache.capture_layer = check
-    try:
-        hidden = adapter.run_layers(adapter.embed(plan.token_ids[first]), first, cache, range(check + 1), n)
-        cached = cache.captured
-    finally:
-        cache.capture_layer, cache.captured = None, None
-    fresh = (cache.keys[check][:, :, first], cache.values[check][:, :, first])
-    deviation = kv_deviation(fresh, cached)  # [Q]
-
-    is_reused = torch.isin(first, uncached, invert=True)
-    count = math.ceil(config.recompute_ratio * int(is_reused.sum()))
-    picked = choose(deviation, torch.nonzero(is_reused).flatten(), count, config.select, config.seed)
-    keep = torch.sort(torch.cat([torch.nonzero(~is_reused).flatten(), picked])).values
-    positions = first[keep]
-    hidden = adapter.run_layers(hidden[:, keep], positions, cache, range(check + 1, adapter.num_layers), n)
-    return hidden[:, -1:], positions
+    # One mask for every non-exact token; the shrinking set takes its rows.
+    mask = adapter.causal_mask(positions, n, adapter.dtype)
+    hidden = adapter.embed(plan.token_ids[positions])  # [1, Q, H]
+    if check > 0:
+        hidden = adapter.run_layers(hidden, positions, cache, range(check), n, mask=mask)
+    rows = torch.arange(positions.numel())  # into `positions`: the tokens whose input to `layer` we hold
+    layer_positions: list[torch.Tensor] = []
+    for layer in range(check, num_layers):
+        here = positions[rows]
+        if layer > check:
+            layer_positions.append(here)
+        # Every token in the set gets this layer's fresh K/V; only the projections are needed for that.
+        keys, values = adapter.project_kv(layer, hidden, here)
+        if layer == num_layers - 1:
+            keep = torch.tensor([rows.numel() - 1])  # only the last token's output is needed (position n - 1)
+        else:
+            stale = (cache.keys[layer][:, :, here], cache.values[layer][:, :, here])
+            score = kv_deviation((keys, values), stale) * weight[rows]
+            is_reused = torch.isin(here, uncached, invert=True)
+            count = math.ceil(fractions[layer - check] * num_reused)
+            if config.size_multiple > 0:  # the whole set (uncached included) to the nearest multiple
+                fixed = rows.numel() - int(is_reused.sum())
+                total = max(round((fixed + count) / config.size_multiple), 1) * config.size_multiple
+                count = max(total - fixed, 0)
+            keep = torch.arange(rows.numel())
+            if count < int(is_reused.sum()):
+                picked = choose(score, torch.nonzero(is_reused).flatten(), count, config.select, config.seed + layer)
+                keep = torch.sort(torch.cat([torch.nonzero(~is_reused).flatten(), picked])).values
+        cache.keys[layer].index_copy_(2, here, keys)
+        cache.values[layer].index_copy_(2, here, values)
+        # The kept tokens run the whole layer (their output is the next layer's input); the dropped ones
+        # keep the fresh K/V just written here and their cached K/V in every deeper layer.
+        rows, hidden = rows[keep], hidden[:, keep]
+        hidden = adapter.run_layers(hidden, positions[rows], cache, range(layer, layer + 1), n, mask=mask[:, :, rows])
+    return BlendResult(hidden[:, -1:], layer_positions or [positions])

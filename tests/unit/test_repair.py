@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from kvboost_rag import RepairConfig
 from kvboost_rag.assembly import APPROX, COMPUTE, assemble
-from kvboost_rag.repair.cacheblend import cacheblend_prefill, choose
+from kvboost_rag.repair import cacheblend
+from kvboost_rag.repair.cacheblend import cacheblend_prefill, choose, layer_fractions
 from kvboost_rag.repair.selective import selective_positions
 
 
@@ -33,27 +35,59 @@ def test_cacheblend_writes_exactly_the_selected_positions(reordered):
     engine, prompt = reordered
     plan = engine.plan(prompt, "cacheblend")
     n = plan.num_tokens
-    config = RepairConfig(check_layer=1, recompute_ratio=0.25)
+    config = RepairConfig(check_layer=1, recompute_ratio=0.25, taper=4.0)
     cache = assemble(plan, engine.adapter, n)
     before_k, before_v = snapshot(cache)
     with torch.inference_mode():
-        _, recomputed = cacheblend_prefill(engine.adapter, cache, plan, config)
+        result = cacheblend_prefill(engine.adapter, cache, plan, config)
     reused = plan.positions(APPROX)
     uncached = plan.positions(COMPUTE)
-    selected = recomputed[torch.isin(recomputed, reused)]
-    assert selected.numel() == -(-reused.numel() // 4)  # ceil(r * reused)
-    assert torch.isin(uncached, recomputed).all()
+    sets = result.layer_positions
+    assert len(sets) == engine.adapter.num_layers - config.check_layer - 1
+    fractions = layer_fractions(0.25, 4.0, len(sets))
     keys_changed = changed_positions(before_k, cache.keys, n)
     values_changed = changed_positions(before_v, cache.values, n)
-    in_recomputed = torch.isin(torch.arange(n), recomputed)
-    for layer in range(config.check_layer + 1, engine.adapter.num_layers):
-        # After the check layer only the selected and uncached tokens were written...
-        assert not (keys_changed[layer] & ~in_recomputed).any()
-        assert not (values_changed[layer] & ~in_recomputed).any()
+    for j, positions in enumerate(sets):
+        layer = config.check_layer + 1 + j
+        selected = positions[torch.isin(positions, reused)]
+        assert selected.numel() == math.ceil(fractions[j] * reused.numel())
+        assert torch.isin(uncached, positions).all()
+        if j:  # the set only shrinks: a token dropped once keeps its cached K/V in all deeper layers
+            assert torch.isin(positions, sets[j - 1]).all() and positions.numel() < sets[j - 1].numel()
+        # After the check layer only that layer's set was written...
+        in_set = torch.isin(torch.arange(n), positions)
+        assert not (keys_changed[layer] & ~in_set).any()
+        assert not (values_changed[layer] & ~in_set).any()
         # ...and every selected reused token did change (its context differs from ingestion's).
         assert keys_changed[layer][selected].all()
     # Up to the check layer every non-exact token ran (layer 1 K/V depend on context).
     assert keys_changed[1][reused].float().mean() > 0.9
+
+
+def test_layer_fractions_average_to_the_budget_and_taper():
+    for average, taper in ((0.15, 8.0), (0.3, 2.0), (0.05, 1.0), (0.6, 8.0)):
+        fractions = layer_fractions(average, taper, 28)
+        assert abs(sum(fractions) / 28 - average) < 1e-6
+        assert all(a >= b for a, b in zip(fractions, fractions[1:], strict=False))
+        assert all(0.0 <= f <= 1.0 for f in fractions)
+    assert layer_fractions(0.15, 8.0, 28)[0] / layer_fractions(0.15, 8.0, 28)[-1] == pytest.approx(8.0)
+    assert layer_fractions(0.2, 1.0, 10) == pytest.approx([0.2] * 10)  # taper 1: one set, original CacheBlend
+    assert layer_fractions(1.0, 8.0, 5) == [1.0] * 5 and layer_fractions(0.0, 8.0, 5) == [0.0] * 5
+    assert layer_fractions(0.3, 8.0, 0) == []
+
+
+def test_recency_weight_prefers_later_tokens_at_equal_deviation(reordered, monkeypatch):
+    """With deviation flattened, the recency weight alone decides: the set after the check keeps the
+    latest reused tokens."""
+    engine, prompt = reordered
+    plan = engine.plan(prompt, "cacheblend")
+    reused = plan.positions(APPROX)
+    config = RepairConfig(check_layer=0, recompute_ratio=0.2, taper=1.0, recency=1.0)
+    monkeypatch.setattr(cacheblend, "kv_deviation", lambda fresh, cached: torch.ones(fresh[0].shape[2]))
+    with torch.inference_mode():
+        result = cacheblend_prefill(engine.adapter, assemble(plan, engine.adapter, plan.num_tokens), plan, config)
+    selected = result.layer_positions[0][torch.isin(result.layer_positions[0], reused)]
+    assert torch.equal(selected, reused[-selected.numel():])
 
 
 def test_selective_recomputes_chunk_heads_and_uncached_tokens(reordered):
@@ -87,3 +121,34 @@ def test_selection_ranks_by_deviation_and_random_is_a_control():
     assert len(picks) > 1 and all(set(p) <= {0, 1, 2, 3} for p in picks)
     with pytest.raises(ValueError, match="unknown select mode"):
         choose(deviation, candidates, 2, "best", 0)
+
+
+def test_projected_kv_is_what_the_layer_writes(reordered):
+    """The repair refreshes dropped tokens' K/V by projection alone; it must equal the layer's own write."""
+    engine, prompt = reordered
+    adapter = engine.adapter
+    plan = engine.plan(prompt, "full")
+    n = plan.num_tokens
+    positions = torch.arange(n)
+    cache = adapter.new_buffers(n)
+    with torch.inference_mode():
+        hidden = adapter.run_layers(adapter.embed(plan.token_ids), positions, cache, range(2), n)
+        keys, values = adapter.project_kv(2, hidden, positions)
+        adapter.run_layers(hidden, positions, cache, range(2, 3), n)
+    assert torch.allclose(keys, cache.keys[2][:, :, :n], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(values, cache.values[2][:, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_size_multiple_rounds_every_set(reordered):
+    engine, prompt = reordered
+    plan = engine.plan(prompt, "cacheblend")
+    everything = torch.unique(torch.cat([plan.positions(APPROX), plan.positions(COMPUTE)])).numel()
+    with torch.inference_mode():
+        sizes = {}
+        for multiple in (0, 8):
+            config = RepairConfig(check_layer=0, recompute_ratio=0.3, size_multiple=multiple)
+            cache = assemble(plan, engine.adapter, plan.num_tokens)
+            result = cacheblend_prefill(engine.adapter, cache, plan, config)
+            sizes[multiple] = [p.numel() for p in result.layer_positions]
+    assert all(size % 8 == 0 or size == everything for size in sizes[8]), sizes
+    assert sizes[8] != sizes[0] and all(abs(a - b) <= 4 for a, b in zip(sizes[8], sizes[0], strict=True)), sizes

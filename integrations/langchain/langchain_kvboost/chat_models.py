@@ -27,11 +27,11 @@ from kvboost_rag.models import parse_dtype
 from kvboost_rag.serving import astream_pieces, model_key, shared_engine
 
 # Per-call keyword arguments (`invoke(..., strategy="full")`, `.bind(max_tokens=8)`).
-_CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "recompute_ratio",
-              "boundary_tokens", "check_layer", "write_back")
+_CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "recompute_ratio", "taper",
+              "recency", "boundary_tokens", "check_layer", "write_back")
 # Keyword arguments LangChain itself may pass down; they need nothing from us.
 _IGNORED_ARGS = ("stream",)
-_REPAIR_FIELDS = ("recompute_ratio", "boundary_tokens", "check_layer")
+_REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer")
 
 
 class ChatKVBoost(BaseChatModel):
@@ -62,7 +62,8 @@ class ChatKVBoost(BaseChatModel):
         ```
 
     Per call, `strategy`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-    `recompute_ratio`, `boundary_tokens`, `check_layer` and `write_back` can be overridden:
+    `recompute_ratio`, `taper`, `recency`, `boundary_tokens`, `check_layer` and `write_back` can be
+    overridden:
     `llm.invoke(msgs, strategy="full")` or `llm.bind(strategy="full")`.
 
     Tool calling and structured output are not supported.
@@ -88,7 +89,13 @@ class ChatKVBoost(BaseChatModel):
     seed: int | None = None
     """Seed of the sampler (with temperature > 0); None = not seeded."""
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
-    """cacheblend: fraction of reused tokens recomputed; None = the engine's default."""
+    """cacheblend: fraction of reused tokens recomputed per layer, averaged (the quality dial: 1.0 is
+    a full prefill); None = the engine's default."""
+    taper: float | None = Field(default=None, ge=1.0)
+    """cacheblend: how many times more tokens the first repaired layer runs than the last (1.0 = one
+    set for all layers); None = the engine's default."""
+    recency: float | None = Field(default=None, ge=0.0)
+    """cacheblend: exponent of the position weight on deviation (0 = none); None = the engine's default."""
     boundary_tokens: int | None = Field(default=None, ge=0)
     """selective: leading tokens of every reused chunk recomputed; None = the engine's default."""
     check_layer: int | None = Field(default=None, ge=0)
@@ -162,6 +169,8 @@ class ChatKVBoost(BaseChatModel):
             "stop": self.stop,
             "seed": self.seed,
             "recompute_ratio": self.recompute_ratio,
+            "taper": self.taper,
+            "recency": self.recency,
             "boundary_tokens": self.boundary_tokens,
             "check_layer": self.check_layer,
         }

@@ -23,8 +23,10 @@ def test_fields_and_validation():
     assert llm.model_name == "SmolLM2-135M-Instruct"
     fields = KVBoostLLM.model_fields
     assert all(fields[name].description for name in ("model", "dtype", "strategy", "max_tokens", "stop",
-                                                      "recompute_ratio", "boundary_tokens", "check_layer"))
-    for bad in ({"strategy": "fastest"}, {"dtype": "int8"}, {"recompute_ratio": 2.0}, {"max_tokens": 0}):
+                                                      "recompute_ratio", "taper", "recency", "boundary_tokens",
+                                                      "check_layer"))
+    for bad in ({"strategy": "fastest"}, {"dtype": "int8"}, {"recompute_ratio": 2.0}, {"max_tokens": 0},
+                {"taper": 0.5}, {"recency": -1.0}):
         with pytest.raises(ValidationError):
             KVBoostLLM(**bad)
     with pytest.raises(TypeError, match="max_new_token"):
@@ -41,6 +43,14 @@ def test_messages_to_chat():
         _to_chat_message(ChatMessage(role=MessageRole.TOOL, content="42"))
     with pytest.raises(ValueError, match="text only"):
         _to_chat_message(ChatMessage(role=MessageRole.USER, blocks=[ImageBlock(url="http://x/y.png")]))
+
+
+@pytest.mark.real_model
+def test_repair_fields_map_to_repair_config(engine):
+    repair = KVBoostLLM(recompute_ratio=0.3, taper=2.0)._call({"recency": 0.0, "check_layer": 2})["repair"]
+    assert (repair.recompute_ratio, repair.taper, repair.recency, repair.check_layer) == (0.3, 2.0, 0.0, 2)
+    assert repair.select == engine.config.repair.select  # the rest from the engine's own config
+    assert "repair" not in KVBoostLLM()._call({})
 
 
 @pytest.mark.real_model

@@ -32,8 +32,8 @@ from kvboost_rag.serving import astream_pieces, model_key, shared_engine
 
 # Per-call keyword arguments: `llm.complete(prompt, strategy="full")`.
 _CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "recompute_ratio",
-              "boundary_tokens", "check_layer", "write_back")
-_REPAIR_FIELDS = ("recompute_ratio", "boundary_tokens", "check_layer")
+              "taper", "recency", "boundary_tokens", "check_layer", "write_back")
+_REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer")
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.DEVELOPER: "system",
@@ -82,7 +82,16 @@ class KVBoostLLM(CustomLLM):
     seed: int | None = Field(default=None, description="Seed of the sampler when temperature > 0.")
     recompute_ratio: float | None = Field(
         default=None, ge=0.0, le=1.0,
-        description="cacheblend: fraction of reused tokens recomputed; None = the engine's default.")
+        description="cacheblend: fraction of reused tokens recomputed per layer, averaged (the quality dial: "
+                    "1.0 is a full prefill); None = the engine's default.")
+    taper: float | None = Field(
+        default=None, ge=1.0,
+        description="cacheblend: how many times more tokens the first repaired layer runs than the last "
+                    "(1.0 = one set for all layers); None = the engine's default.")
+    recency: float | None = Field(
+        default=None, ge=0.0,
+        description="cacheblend: exponent of the position weight on deviation (0 = none); None = the engine's "
+                    "default.")
     boundary_tokens: int | None = Field(
         default=None, ge=0,
         description="selective: leading tokens of each reused chunk recomputed; None = the engine's default.")
