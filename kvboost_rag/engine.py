@@ -248,23 +248,24 @@ class KVBoost:
             if strategy == "cacheblend":
                 blend = cacheblend_prefill(self.adapter, cache, p, repair)
                 hidden, recomputed = blend.hidden, blend.recomputed_tokens
-            elif strategy == "queryaware" and repair.qa_order == "relevance_last":
-                p, cache, hidden, recomputed = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
-            elif strategy == "queryaware":
-                hidden, recomputed = queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
-                                                        template_suffix_tokens(self))
             else:
-                if strategy == "selective":
-                    recomputed = selective_positions(p, repair.boundary_tokens)
-                else:  # full, prefix, naive: exactly the tokens without stored KV, and the last one
-                    recomputed = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
-                hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids[recomputed]), recomputed,
-                                                 cache, range(self.adapter.num_layers), n)[:, -1:]
+                if strategy == "queryaware" and repair.qa_order == "relevance_last":
+                    p, cache, hidden, positions = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
+                elif strategy == "queryaware":
+                    hidden, positions = queryaware_prefill(self.adapter, cache, p, repair,
+                                                           self._retrieval_heads(repair), template_suffix_tokens(self))
+                else:
+                    if strategy == "selective":
+                        positions = selective_positions(p, repair.boundary_tokens)
+                    else:  # full, prefix, naive: exactly the tokens without stored KV, and the last one
+                        positions = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
+                    hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids[positions]), positions,
+                                                     cache, range(self.adapter.num_layers), n)[:, -1:]
+                recomputed = int(positions.numel())  # tokens run through every layer
             logits = self.adapter.logits(hidden)[-1]
             ttft_ms = (time.perf_counter() - started) * 1e3
             if write_back and strategy != "full":
                 self._write_back(p, cache)
-        recomputed = recomputed if isinstance(recomputed, int) else int(recomputed.numel())
         return Prefill(p, cache, logits, recomputed, strategy, started, ttft_ms)
 
     def _retrieval_heads(self, repair):

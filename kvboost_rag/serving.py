@@ -14,6 +14,7 @@ the step it is in finishes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 import weakref
@@ -21,13 +22,23 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .config import RepairConfig
 from .engine import KVBoost, StreamPiece
 from .models import BUNDLED_NAME, DTYPES
+
+# The repair knobs both LLM classes take as fields and as per-call arguments (RepairConfig field names).
+REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer")
 
 _ENGINES: dict[tuple[str, str], KVBoost] = {}
 _LOCK = threading.Lock()
 _WORKERS: weakref.WeakKeyDictionary[KVBoost, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 _DONE = object()
+
+
+def repair_overrides(engine: KVBoost, values: dict) -> RepairConfig | None:
+    """The engine's repair config with the knobs given a value (not None) replaced; None when none is."""
+    given = {name: value for name, value in values.items() if value is not None}
+    return dataclasses.replace(engine.config.repair, **given) if given else None
 
 
 def model_key(model: str | None) -> str:

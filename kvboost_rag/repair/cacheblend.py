@@ -54,17 +54,22 @@ def kv_deviation(fresh: tuple[torch.Tensor, torch.Tensor], cached: tuple[torch.T
     return dk + dv
 
 
+def check_select(mode: str) -> str:
+    if mode not in SELECT_MODES:
+        raise ValueError(f"unknown select mode {mode!r}; use one of {', '.join(SELECT_MODES)}")
+    return mode
+
+
 def choose(deviation: torch.Tensor, candidates: torch.Tensor, count: int, mode: str, seed: int) -> torch.Tensor:
     """Indices (into `deviation`) of `count` of the candidate indices, by the given rule."""
+    check_select(mode)
     if count <= 0 or candidates.numel() == 0:
         return candidates[:0]
     count = min(count, candidates.numel())
     if mode == "deviation":
         return candidates[torch.topk(deviation[candidates], count).indices]
-    if mode == "random":
-        gen = torch.Generator().manual_seed(seed)
-        return candidates[torch.randperm(candidates.numel(), generator=gen)[:count]]
-    raise ValueError(f"unknown select mode {mode!r}; use one of {', '.join(SELECT_MODES)}")
+    gen = torch.Generator().manual_seed(seed)  # "random": the control
+    return candidates[torch.randperm(candidates.numel(), generator=gen)[:count]]
 
 
 def layer_fractions(average: float, taper: float, layers: int) -> list[float]:
@@ -90,13 +95,9 @@ def layer_fractions(average: float, taper: float, layers: int) -> list[float]:
     return [min(1.0, high * d) for d in decay]
 
 
-def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig,
-                       position_weight: torch.Tensor | None = None) -> BlendResult:
-    """Prefill with progressive CacheBlend repair, writing the repaired K/V into `cache`.
-
-    `position_weight` [n], optional, multiplies every position's deviation score (on top of recency)."""
-    if config.select not in SELECT_MODES:
-        raise ValueError(f"unknown select mode {config.select!r}; use one of {', '.join(SELECT_MODES)}")
+def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig) -> BlendResult:
+    """Prefill with progressive CacheBlend repair, writing the repaired K/V into `cache`."""
+    check_select(config.select)  # before any work, even when no layer ends up choosing
     n, num_layers = plan.num_tokens, adapter.num_layers
     uncached = torch.unique(torch.cat([plan.positions(COMPUTE), torch.tensor([n - 1])]))
     reused = plan.positions(APPROX)
@@ -106,8 +107,6 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
     fractions = layer_fractions(config.recompute_ratio, max(config.taper, 1.0), num_layers - check - 1)
     num_reused = int(torch.isin(positions, uncached, invert=True).sum())
     weight = ((positions.float() + 1) / n) ** config.recency  # [Q] later tokens count more
-    if position_weight is not None:
-        weight = weight * position_weight[positions]
 
     # One mask for every non-exact token; the shrinking set takes its rows.
     mask = adapter.causal_mask(positions, n, adapter.dtype)

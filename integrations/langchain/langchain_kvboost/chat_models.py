@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -24,14 +23,13 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from kvboost_rag import Generation, KVBoost
 from kvboost_rag.config import check_strategy
 from kvboost_rag.models import parse_dtype
-from kvboost_rag.serving import astream_pieces, model_key, shared_engine
+from kvboost_rag.serving import REPAIR_FIELDS, astream_pieces, model_key, repair_overrides, shared_engine
 
 # Per-call keyword arguments (`invoke(..., strategy="full")`, `.bind(max_tokens=8)`).
-_CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "recompute_ratio", "taper",
-              "recency", "boundary_tokens", "check_layer", "write_back")
+_CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", *REPAIR_FIELDS,
+              "write_back")
 # Keyword arguments LangChain itself may pass down; they need nothing from us.
 _IGNORED_ARGS = ("stream",)
-_REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer")
 
 
 class ChatKVBoost(BaseChatModel):
@@ -210,9 +208,9 @@ class ChatKVBoost(BaseChatModel):
         }
         if "write_back" in kwargs:
             call["write_back"] = bool(kwargs["write_back"])
-        repair = {name: get(name) for name in _REPAIR_FIELDS if get(name) is not None}
-        if repair:
-            call["repair"] = dataclasses.replace(self.client.config.repair, **repair)
+        repair = repair_overrides(self.client, {name: get(name) for name in REPAIR_FIELDS})
+        if repair is not None:
+            call["repair"] = repair
         return [_to_chat_message(m) for m in messages], call
 
     def _response_metadata(self, result: Generation) -> dict[str, Any]:

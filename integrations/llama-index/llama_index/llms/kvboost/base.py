@@ -28,12 +28,11 @@ from llama_index.core.schema import BaseNode, MetadataMode
 from kvboost_rag import Generation, KVBoost
 from kvboost_rag.config import check_strategy
 from kvboost_rag.models import parse_dtype
-from kvboost_rag.serving import astream_pieces, model_key, shared_engine
+from kvboost_rag.serving import REPAIR_FIELDS, astream_pieces, model_key, repair_overrides, shared_engine
 
 # Per-call keyword arguments: `llm.complete(prompt, strategy="full")`.
-_CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "recompute_ratio",
-              "taper", "recency", "boundary_tokens", "check_layer", "write_back")
-_REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer")
+_CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", *REPAIR_FIELDS,
+              "write_back")
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.DEVELOPER: "system",
@@ -179,9 +178,9 @@ class KVBoostLLM(CustomLLM):
         }
         if "write_back" in kwargs:
             call["write_back"] = bool(kwargs["write_back"])
-        repair = {name: get(name) for name in _REPAIR_FIELDS if get(name) is not None}
-        if repair:
-            call["repair"] = dataclasses.replace(self.client.config.repair, **repair)
+        repair = repair_overrides(self.client, {name: get(name) for name in REPAIR_FIELDS})
+        if repair is not None:
+            call["repair"] = repair
         return call
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str | Chat:
