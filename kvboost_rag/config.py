@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STRATEGIES = ("full", "prefix", "naive", "selective", "cacheblend", "queryaware")
+# queryaware: documents in the prompt's order, or the ones the question needs moved last.
+QA_ORDERS = ("prompt", "relevance_last")
 
 
 def check_strategy(strategy: str) -> str:
@@ -18,6 +20,13 @@ def check_strategy(strategy: str) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     return strategy
+
+
+def check_order(order: str) -> str:
+    """The queryaware document order, or a ValueError listing the known ones."""
+    if order not in QA_ORDERS:
+        raise ValueError(f"unknown qa_order {order!r}; use one of {', '.join(QA_ORDERS)}")
+    return order
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,11 @@ class RepairConfig:
     recency: float = 1.0
     # cacheblend: round each layer's set to a multiple of this many tokens (0: exact counts), so that the
     # shrinking sets repeat a few matrix shapes across layers and requests: kernels that set up per
-    # shape (oneDNN's bf16 on CPU) then reuse their setup.
-    size_multiple: int = 0
+    # shape (oneDNN's bf16 on CPU) then reuse their setup. 16: bf16 1.46x -> 2.29x at the same KL; 64
+    # is as fast but too coarse for the deep layers' small sets (KL 0.28 -> 0.31 of naive's; docs/quality.md).
+    # -1 (auto): 16 when the model computes in a 16-bit float type, else exact (fp32 gains nothing, and
+    # exact counts keep a request's set independent of how much of its fixed text was a cache hit).
+    size_multiple: int = -1
     # cacheblend: how tokens are ranked, "deviation" (the method) or "random" (the control).
     select: str = "deviation"
     # cacheblend: seed of the random control, so a bench run is repeatable.

@@ -36,7 +36,7 @@ from .documents import Document, DocumentIndex
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
 from .repair.cacheblend import cacheblend_prefill
-from .repair.queryaware import check_config, move_last, queryaware_prefill, rank_documents, recompute, top_documents
+from .repair.queryaware import check_config, move_last, queryaware_prefill, rank_documents, top_documents
 from .repair.selective import selective_positions
 from .store import make_store
 from .store.base import KVEntry, KVStore
@@ -248,10 +248,10 @@ class KVBoost:
             if strategy == "cacheblend":
                 blend = cacheblend_prefill(self.adapter, cache, p, repair)
                 hidden, recomputed = blend.hidden, blend.recomputed_tokens
+            elif strategy == "queryaware" and repair.qa_order == "relevance_last":
+                p, cache, hidden, recomputed = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
             else:
-                if strategy == "queryaware" and repair.qa_order == "relevance_last":
-                    p, cache, hidden, positions = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
-                elif strategy == "queryaware":
+                if strategy == "queryaware":
                     hidden, positions = queryaware_prefill(self.adapter, cache, p, repair,
                                                            self._retrieval_heads(repair), template_suffix_tokens(self))
                 else:
@@ -268,32 +268,48 @@ class KVBoost:
                 self._write_back(p, cache)
         return Prefill(p, cache, logits, recomputed, strategy, started, ttft_ms)
 
+    @torch.inference_mode()
+    def reference_prefill(self, p: Plan, *, max_new_tokens: int = 0) -> Prefill:
+        """A full prefill of exactly `p`'s tokens, nothing reused: the truth to compare a strategy
+        with, including one that rewrote the prompt (queryaware's relevance_last)."""
+        started, n = time.perf_counter(), p.num_tokens
+        with self.lock:
+            cache = self.adapter.new_buffers(n + max_new_tokens)
+            positions = torch.arange(n)
+            hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids), positions, cache,
+                                             range(self.adapter.num_layers), n)
+            logits = self.adapter.logits(hidden[:, -1:])[-1]
+        return Prefill(p, cache, logits, n, "full", started, (time.perf_counter() - started) * 1e3)
+
     def _retrieval_heads(self, repair):
         """This engine's calibrated retrieval heads (see `calibration.retrieval_heads`)."""
         return retrieval_heads(self, max_heads=repair.qa_heads, items=repair.qa_calib_items)
 
     def _relevance_last(self, prompt: str | Messages, p: Plan, cache: KVBuffers, repair,
-                        max_new_tokens: int) -> tuple[Plan, KVBuffers, torch.Tensor, torch.Tensor]:
+                        max_new_tokens: int) -> tuple[Plan, KVBuffers, torch.Tensor, int]:
         """queryaware with qa_order="relevance_last": rank the documents over the naive cache, move
-        the chosen ones after the others (a new prompt), then recompute them and the uncached tokens."""
+        the chosen ones after the others (a new prompt), then recompute them and the uncached tokens
+        through every layer, and repair the other documents as `cacheblend` does (`recompute_ratio`)."""
         check_config(repair)
         heads = list(self._retrieval_heads(repair).heads[:max(repair.qa_heads, 1)])
         spans = document_spans(p)
         segments = split_segments(self.render(prompt), self.documents)
         if not spans or repair.qa_docs <= 0 or len(spans) != sum(isinstance(s, Document) for s in segments):
             # Documents back to back (no text between them) share a span: keep the prompt's order.
-            return p, cache, *queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
-                                                 template_suffix_tokens(self))
+            hidden, positions = queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
+                                                   template_suffix_tokens(self))
+            return p, cache, hidden, int(positions.numel())
         scores, _, _ = rank_documents(self.adapter, cache, p, spans, heads, template_suffix_tokens(self))
         chosen = top_documents(scores, repair.qa_docs)
         chunks = tokenize_segments(move_last(segments, chosen), self.tokenizer, self.config.chunking.max_chunk_tokens,
                                    self._bos_ids, self._special_ids)
         p = plan(chunks, self.fingerprint, self.store, True, True)
         cache = assemble(p, self.adapter, p.num_tokens + max_new_tokens)
-        k = len(spans)
-        last = list(range(k - len(chosen), k))  # the chosen documents, now the last ones
-        hidden, recomputed = recompute(self.adapter, cache, p, repair, document_spans(p), last)
-        return p, cache, hidden, recomputed
+        k, spans = len(spans), document_spans(p)
+        # The chosen documents, now the last ones, run every layer; the others get CacheBlend's repair.
+        pinned = torch.cat([torch.arange(*spans[i]) for i in range(k - len(chosen), k)])
+        blend = cacheblend_prefill(self.adapter, cache, p, repair, pinned=pinned)
+        return p, cache, blend.hidden, blend.recomputed_tokens
 
     def _write_back(self, p: Plan, cache: KVBuffers) -> None:
         """Store the chunks this request computed with exact context under their prefix keys."""

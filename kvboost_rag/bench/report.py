@@ -19,14 +19,20 @@ COLUMNS = [  # (key, header, format)
 
 def table(report: dict) -> str:
     """A Markdown table, one row per strategy."""
-    head = ["strategy"] + [h for _, h, _ in COLUMNS]
+    rows = report["strategies"]
+    reordered = any(row.get("reordered") for row in rows.values())
+    columns = COLUMNS + ([("reference_accuracy", "ref accuracy", "{:.3f}")] if reordered else [])
+    head = ["strategy"] + [h for _, h, _ in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, row in report["strategies"].items():
-        cells = [label] + ["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in COLUMNS]
+    for label, row in rows.items():
+        mark = " *" if row.get("reordered") else ""
+        cells = [label + mark] + ["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in columns]
         lines.append("| " + " | ".join(cells) + " |")
     title = (f"{report['model']}, {report['dtype']}, kv_bits={report['kv_bits']}, {report['items']} items, "
              f"median TTFT and speedup, mean quality; {report['seconds']} s")
-    return title + "\n\n" + "\n".join(lines)
+    note = ("\n\n* answers a reordered prompt: agreement, KL and ref accuracy are those of a full prefill of that "
+            "prompt, speedup is against full of the original" if reordered else "")
+    return title + "\n\n" + "\n".join(lines) + note
 
 
 def family(label: str) -> str:

@@ -4,10 +4,14 @@ Per item, strategies run interleaved (their order rotated from item to item), af
 each is compared with `full` on the same tokens:
 
 - ttft_ms: call to first-token logits; speedup: full's TTFT / this TTFT, median over items.
-- accuracy: an expected answer appears in the output (case-insensitive), where answers exist.
+- accuracy: an expected answer appears in the output (case-insensitive), where answers exist;
+  reference_accuracy: the same for the strategy's reference (full, or a full prefill of its rewritten prompt).
 - agreement: the first `agree_tokens` generated tokens equal full's.
 - first_token_kl / continuation_kl: KL(full || strategy) at the first token, and averaged over
   full's greedy output fed to both (teacher forcing): how far the cache is from the truth.
+- reordered: the strategy answered a rewritten prompt (queryaware's relevance_last). Its agreement
+  and KLs are then against a full prefill of that same rewritten prompt (untimed), not of the
+  original; its accuracy is the same test as everyone's.
 - recompute_fraction / reuse_fraction: prompt tokens computed through every layer / reused.
 
 A strategy spec is a name with optional repair overrides: "cacheblend:recompute_ratio=0.3,select=random".
@@ -80,9 +84,18 @@ class Sample:
     prompt_tokens: int
     recomputed_tokens: int
     reused_tokens: int
-    distributions: torch.Tensor  # [T, V] logits: first token, then after each of full's tokens
+    distributions: torch.Tensor  # [T, V] logits: first token, then after each of the reference's tokens
+    # For a rewritten prompt: a full prefill of it, the reference for agreement and KL (else `full`).
+    reference: Sample | None = None
     correct: bool | None = None
     metrics: dict = field(default_factory=dict)
+
+
+def continued_logits(engine: KVBoost, pre, first: torch.Tensor, token_ids) -> torch.Tensor:
+    """`first` [1, V] followed by the logits after each of token_ids[:-1] fed to `pre`'s cache."""
+    if len(token_ids) < 2:
+        return first
+    return torch.cat([first, engine.continuation_logits(pre, list(token_ids)[:-1])])
 
 
 def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_new_tokens: int,
@@ -99,18 +112,28 @@ def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_ne
         samples[spec.label] = Sample(pre.ttft_ms, result.text, result.token_ids, pre.prompt_tokens,
                                      pre.recomputed_tokens, pre.reused_tokens, pre.logits[None])
         prefills[spec.label] = pre
-    # Quality: every strategy's cache scored on full's greedy continuation.
-    reference_tokens = list(samples[FULL].token_ids)
+    # Quality: every strategy's cache scored on its reference's greedy continuation (teacher forcing).
     for label, sample in samples.items():
-        if len(reference_tokens) > 1:
-            cont = engine.continuation_logits(prefills[label], reference_tokens[:-1])
-            sample.distributions = torch.cat([sample.distributions, cont])
+        pre, reference = prefills[label], samples[FULL]
+        if not torch.equal(pre.plan.token_ids, prefills[FULL].plan.token_ids):  # a rewritten prompt
+            truth = engine.reference_prefill(pre.plan, max_new_tokens=max_new_tokens)
+            result = list(engine.stream_from(truth, params))[-1].result
+            reference = Sample(truth.ttft_ms, result.text, result.token_ids, truth.prompt_tokens,
+                               truth.recomputed_tokens, truth.reused_tokens,
+                               continued_logits(engine, truth, truth.logits[None], result.token_ids))
+            sample.reference = reference
+        sample.distributions = continued_logits(engine, pre, sample.distributions, reference.token_ids)
     return samples
 
 
+def correct(text: str, answers: tuple[str, ...]) -> float:
+    """1.0 when an expected answer appears in the text (case-insensitive)."""
+    return float(any(a.lower() in text.lower() for a in answers))
+
+
 def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> None:
-    full = samples[FULL]
     for sample in samples.values():
+        full = sample.reference or samples[FULL]
         n = min(len(sample.distributions), len(full.distributions))
         per_token = kl(full.distributions[:n], sample.distributions[:n])
         sample.metrics = {
@@ -122,10 +145,11 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
             "recompute_fraction": sample.recomputed_tokens / sample.prompt_tokens,
             "reuse_fraction": sample.reused_tokens / sample.prompt_tokens,
             "prompt_tokens": sample.prompt_tokens,
+            "reordered": float(sample.reference is not None),
         }
         if item.answers:
-            text = sample.text.lower()
-            sample.metrics["accuracy"] = float(any(a.lower() in text for a in item.answers))
+            sample.metrics["accuracy"] = correct(sample.text, item.answers)
+            sample.metrics["reference_accuracy"] = correct(full.text, item.answers)
 
 
 def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, dict]:
@@ -137,7 +161,7 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
             "speedup": statistics.median(r["speedup"] for r in rows),
         }
         for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "recompute_fraction",
-                    "reuse_fraction", "prompt_tokens"):
+                    "reuse_fraction", "prompt_tokens", "reordered", "reference_accuracy"):
             values = [r[key] for r in rows if key in r]
             entry[key] = statistics.fmean(values) if values else None
         summary[label] = entry

@@ -17,7 +17,7 @@ from ..engine import KVBoost
 from ..generation import SamplingParams
 from ..store.disk import DiskStore
 from .data import BenchItem
-from .run import kl, render_prompt
+from .run import correct, kl, render_prompt
 
 
 def disk_vs_recompute(engine: KVBoost, texts: list[str], disk_dir: Path) -> dict:
@@ -76,8 +76,8 @@ def quantization_quality(reference: KVBoost, quantized: KVBoost, items: list[Ben
         first.append(float(per_token[0]))
         cont.append(float(per_token.mean()))
         if item.answers:
-            acc_ref.append(any(a.lower() in out_r.text.lower() for a in item.answers))
-            acc_q.append(any(a.lower() in out_q.text.lower() for a in item.answers))
+            acc_ref.append(correct(out_r.text, item.answers))
+            acc_q.append(correct(out_q.text, item.answers))
     return {"first_token_kl": statistics.fmean(first), "continuation_kl": statistics.fmean(cont),
             "accuracy_reference": statistics.fmean(acc_ref) if acc_ref else None,
             "accuracy": statistics.fmean(acc_q) if acc_q else None}

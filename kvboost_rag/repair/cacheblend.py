@@ -95,17 +95,26 @@ def layer_fractions(average: float, taper: float, layers: int) -> list[float]:
     return [min(1.0, high * d) for d in decay]
 
 
-def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig) -> BlendResult:
-    """Prefill with progressive CacheBlend repair, writing the repaired K/V into `cache`."""
+def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig,
+                       pinned: torch.Tensor | None = None) -> BlendResult:
+    """Prefill with progressive CacheBlend repair, writing the repaired K/V into `cache`.
+
+    `pinned` [P]: reused positions to recompute through every layer like uncached ones (the documents
+    a query-aware pass chose), outside the `recompute_ratio` budget."""
     check_select(config.select)  # before any work, even when no layer ends up choosing
     n, num_layers = plan.num_tokens, adapter.num_layers
-    uncached = torch.unique(torch.cat([plan.positions(COMPUTE), torch.tensor([n - 1])]))
+    extra = [] if pinned is None else [pinned.long()]
+    always = torch.unique(torch.cat([plan.positions(COMPUTE), torch.tensor([n - 1]), *extra]))  # run every layer
+    if config.recompute_ratio <= 0:  # nothing reused is repaired: naive reuse (plus the pinned tokens)
+        hidden = adapter.run_layers(adapter.embed(plan.token_ids[always]), always, cache, range(num_layers), n)
+        return BlendResult(hidden[:, -1:], [always])
     reused = plan.positions(APPROX)
-    positions = torch.unique(torch.cat([uncached, reused]))  # sorted; exact hits are never recomputed
+    positions = torch.unique(torch.cat([always, reused]))  # sorted; exact hits are never recomputed
+    multiple = config.size_multiple if config.size_multiple >= 0 else (16 if adapter.dtype.itemsize == 2 else 0)
     check = min(max(config.check_layer, 0), num_layers - 1)
     # fractions[j]: of the reused tokens, how many get fresh K/V at layer check + 1 + j.
     fractions = layer_fractions(config.recompute_ratio, max(config.taper, 1.0), num_layers - check - 1)
-    num_reused = int(torch.isin(positions, uncached, invert=True).sum())
+    num_reused = int(torch.isin(positions, always, invert=True).sum())
     weight = ((positions.float() + 1) / n) ** config.recency  # [Q] later tokens count more
 
     # One mask for every non-exact token; the shrinking set takes its rows.
@@ -126,14 +135,16 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
         else:
             stale = (cache.keys[layer][:, :, here], cache.values[layer][:, :, here])
             score = kv_deviation((keys, values), stale) * weight[rows]
-            is_reused = torch.isin(here, uncached, invert=True)
-            count = math.ceil(fractions[layer - check] * num_reused)
-            if config.size_multiple > 0:  # the whole set (uncached included) to the nearest multiple
-                fixed = rows.numel() - int(is_reused.sum())
-                total = max(round((fixed + count) / config.size_multiple), 1) * config.size_multiple
+            is_reused = torch.isin(here, always, invert=True)
+            count, available = math.ceil(fractions[layer - check] * num_reused), int(is_reused.sum())
+            if multiple > 0 and count < available:
+                # The whole set (uncached and pinned included) to the nearest multiple; a layer that keeps
+                # every token stays whole, so recompute_ratio=1 is still a full prefill.
+                fixed = rows.numel() - available
+                total = max(round((fixed + count) / multiple), 1) * multiple
                 count = max(total - fixed, 0)
             keep = torch.arange(rows.numel())
-            if count < int(is_reused.sum()):
+            if count < available:
                 picked = choose(score, torch.nonzero(is_reused).flatten(), count, config.select, config.seed + layer)
                 keep = torch.sort(torch.cat([torch.nonzero(~is_reused).flatten(), picked])).values
         cache.keys[layer].index_copy_(2, here, keys)

@@ -28,11 +28,10 @@ import torch
 from ..adapter import ModelAdapter
 from ..assembly import APPROX, COMPUTE, Plan
 from ..calibration import document_spans, head_doc_scores, question_rows
-from ..config import RepairConfig
+from ..config import RepairConfig, check_order
 from ..kvcache import KVBuffers
 
 AFTER_MODES = ("none", "all", "attn")
-ORDER_MODES = ("prompt", "relevance_last")
 
 
 def rank_documents(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, spans: list[tuple[int, int]], heads,
@@ -89,8 +88,7 @@ def recompute(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: Repai
 def check_config(config: RepairConfig) -> None:
     if config.qa_after not in AFTER_MODES:
         raise ValueError(f"unknown qa_after {config.qa_after!r}; use one of {', '.join(AFTER_MODES)}")
-    if config.qa_order not in ORDER_MODES:
-        raise ValueError(f"unknown qa_order {config.qa_order!r}; use one of {', '.join(ORDER_MODES)}")
+    check_order(config.qa_order)
 
 
 def queryaware_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig,

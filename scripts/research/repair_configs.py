@@ -3,7 +3,8 @@
 For bench items START..END, every variant prefills the same prompt; reported: continuation KL (first token
 and 16 teacher-forced tokens of full's greedy output) and first-token KL to a full prefill, the recompute
 fraction and the TTFT. Variants that swap the deviation measure patch `cacheblend.kv_deviation` for the
-run (the shipped measure is the squared L2 of K plus V). Results: docs/quality.md.
+run (the shipped measure is the squared L2 of K plus V), the "shape" ones `cacheblend.layer_fractions`
+(the per-layer schedule). Results: docs/quality.md.
 
     python scripts/research/repair_configs.py 24 40 out/configs.json kvboost_rag/bench/synthetic_calib.jsonl \
         out/store_calib naive,default,taper4,taper16,devV,devnorm,devrel,check2,rec0.75
@@ -19,12 +20,13 @@ import torch
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag.bench.data import load_items
-from kvboost_rag.bench.run import kl, render_prompt
+from kvboost_rag.bench.run import continued_logits, kl, render_prompt
 from kvboost_rag.config import StoreConfig
 from kvboost_rag.generation import SamplingParams
 from kvboost_rag.repair import cacheblend
 
 SHIPPED = cacheblend.kv_deviation
+SCHEDULE = cacheblend.layer_fractions
 
 
 def squared(fresh, cached, which):
@@ -45,7 +47,24 @@ def relative(fresh, cached):  # each token's change over its own cached norm
     return squared(fresh, cached, 0) / norm[0] + squared(fresh, cached, 1) / norm[1]
 
 
+def shaped(power: float):
+    """layer_fractions with a decay of taper ** (-(j / (layers - 1)) ** power): power > 1 keeps the set
+    large for longer (more of the budget in the middle layers), < 1 drops it sooner."""
+    def fractions(average: float, taper: float, layers: int) -> list[float]:
+        if layers <= 1 or average >= 1.0 or average <= 0.0:
+            return SCHEDULE(average, taper, layers)
+        decay = [taper ** (-((j / (layers - 1)) ** power)) for j in range(layers)]
+        low, high = 0.0, 1.0 / decay[-1]
+        for _ in range(60):
+            mid = (low + high) / 2
+            mean = sum(min(1.0, mid * d) for d in decay) / layers
+            low, high = (mid, high) if mean < average else (low, mid)
+        return [min(1.0, high * d) for d in decay]
+    return fractions
+
+
 R = RepairConfig()
+SCHEDULES = {"shape2": shaped(2.0), "shape3": shaped(3.0), "shape0.5": shaped(0.5), "shape2t16": shaped(2.0)}
 VARIANTS = {
     "naive": None,
     "default": (R, SHIPPED),
@@ -57,6 +76,14 @@ VARIANTS = {
     "devrel": (R, relative),
     "check2": (dataclasses.replace(R, check_layer=2), SHIPPED),
     "rec0.75": (dataclasses.replace(R, recency=0.75), SHIPPED),
+    "sm0": (dataclasses.replace(R, size_multiple=0), SHIPPED),
+    "sm16": (dataclasses.replace(R, size_multiple=16), SHIPPED),
+    "sm32": (dataclasses.replace(R, size_multiple=32), SHIPPED),
+    "sm64": (dataclasses.replace(R, size_multiple=64), SHIPPED),
+    "shape2": (R, SHIPPED),
+    "shape3": (R, SHIPPED),
+    "shape0.5": (R, SHIPPED),
+    "shape2t16": (dataclasses.replace(R, taper=16.0), SHIPPED),
 }
 
 
@@ -74,10 +101,7 @@ def main() -> None:
             greedy = list(list(engine.stream_from(full, SamplingParams(tokens)))[-1].result.token_ids)
 
             def distributions(pre, greedy=greedy):
-                first = pre.logits[None]
-                if len(greedy) < 2:
-                    return first
-                return torch.cat([first, engine.continuation_logits(pre, greedy[:-1])])
+                return continued_logits(engine, pre, pre.logits[None], greedy)
 
             reference = distributions(engine.prefill(prompt, "full", max_new_tokens=tokens, write_back=False))
             row = {"id": item.id}
@@ -87,11 +111,12 @@ def main() -> None:
                 else:
                     repair, deviation = VARIANTS[name]
                     cacheblend.kv_deviation = deviation
+                    cacheblend.layer_fractions = SCHEDULES.get(name, SCHEDULE)
                     try:
                         pre = engine.prefill(prompt, "cacheblend", max_new_tokens=tokens, write_back=False,
                                              repair=repair)
                     finally:
-                        cacheblend.kv_deviation = SHIPPED
+                        cacheblend.kv_deviation, cacheblend.layer_fractions = SHIPPED, SCHEDULE
                 per_token = kl(reference, distributions(pre)[: len(reference)])
                 row[name] = {"first": float(per_token[0]), "cont": float(per_token.mean()),
                              "rec": pre.recomputed_tokens / pre.prompt_tokens, "ms": pre.ttft_ms}

@@ -80,6 +80,46 @@ def test_queryaware_first_token_closer_to_full_than_naive(heads_engine, rag_prom
     assert torch.isfinite(torch.tensor(qa_kl)).all()
 
 
+def test_relevance_last_moves_the_answer_document_last_and_repairs_the_others(heads_engine, rag_prompt):
+    """qa_order="relevance_last" answers a rewritten prompt: the answer document last, run through every
+    layer; CacheBlend's repair of the documents before it brings it closer to a full prefill of that
+    rewritten prompt (the fair reference) than recomputing the chosen document alone."""
+    engine, _ = heads_engine
+    docs, question, _ = case(0)
+    engine.ingest(docs)
+    prompt = rag_prompt(docs, question)
+    kls = {}
+    for ratio in (0.0, 0.3):
+        repair = RepairConfig(qa_calib_items=CALIB_ITEMS, qa_order="relevance_last", recompute_ratio=ratio)
+        pre = engine.prefill(prompt, "queryaware", write_back=False, repair=repair)
+        text = engine.tokenizer.decode(pre.plan.token_ids)
+        assert text.index(TOWNS[0]) > max(text.index(town) for town in TOWNS[1:])  # moved after the others
+        truth = engine.reference_prefill(pre.plan)
+        assert torch.equal(truth.plan.token_ids, pre.plan.token_ids)
+        kls[ratio] = float(kl(truth.logits[None], pre.logits[None])[0])
+    assert kls[0.3] < kls[0.0], kls
+
+
+def test_bench_scores_a_reordered_answer_against_a_full_prefill_of_its_own_prompt(heads_engine):
+    from kvboost_rag.bench.data import BenchItem
+    from kvboost_rag.bench.run import parse_strategies, run_item, score
+
+    engine, _ = heads_engine
+    docs, question, answer = case(0)
+    item = BenchItem("towns", tuple(docs), question, system="Answer the question using only the documents.",
+                     answers=(answer,))
+    engine.ingest(docs)
+    specs = parse_strategies(f"naive,queryaware:qa_order=relevance_last+qa_calib_items={CALIB_ITEMS}", REPAIR)
+    samples = run_item(engine, item, specs, max_new_tokens=4, rotate=0)
+    score(samples, item, agree_tokens=4)
+    moved = samples[specs[-1].label]
+    assert samples["full"].reference is None and samples["naive"].metrics["reordered"] == 0.0
+    assert moved.reference is not None and moved.metrics["reordered"] == 1.0
+    assert moved.reference.prompt_tokens == moved.prompt_tokens
+    # Teacher-forced on the reference's own greedy tokens, not on full's (of the original order).
+    assert len(moved.distributions) == len(moved.reference.distributions) == max(len(moved.reference.token_ids), 1)
+
+
 # ---- progressive CacheBlend (the default strategy) -------------------------------------------------
 
 def distributions(engine, pre, tokens) -> torch.Tensor:

@@ -35,7 +35,7 @@ def test_cacheblend_writes_exactly_the_selected_positions(reordered):
     engine, prompt = reordered
     plan = engine.plan(prompt, "cacheblend")
     n = plan.num_tokens
-    config = RepairConfig(check_layer=1, recompute_ratio=0.25, taper=4.0)
+    config = RepairConfig(check_layer=1, recompute_ratio=0.25, taper=4.0, size_multiple=0)
     cache = assemble(plan, engine.adapter, n)
     before_k, before_v = snapshot(cache)
     with torch.inference_mode():
@@ -82,7 +82,7 @@ def test_recency_weight_prefers_later_tokens_at_equal_deviation(reordered, monke
     engine, prompt = reordered
     plan = engine.plan(prompt, "cacheblend")
     reused = plan.positions(APPROX)
-    config = RepairConfig(check_layer=0, recompute_ratio=0.2, taper=1.0, recency=1.0)
+    config = RepairConfig(check_layer=0, recompute_ratio=0.2, taper=1.0, recency=1.0, size_multiple=0)
     monkeypatch.setattr(cacheblend, "kv_deviation", lambda fresh, cached: torch.ones(fresh[0].shape[2]))
     with torch.inference_mode():
         result = cacheblend_prefill(engine.adapter, assemble(plan, engine.adapter, plan.num_tokens), plan, config)
@@ -103,7 +103,7 @@ def test_selective_recomputes_chunk_heads_and_uncached_tokens(reordered):
     assert pre.reused_tokens == plan.num_tokens - expected.numel()
 
 
-def test_cacheblend_with_everything_selected_is_a_full_prefill(reordered):
+def test_cacheblend_budget_ends_are_full_prefill_and_naive_reuse(reordered):
     engine, prompt = reordered
     full = engine.prefill(prompt, "full", write_back=False)
     blend = engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(recompute_ratio=1.0))
@@ -111,6 +111,8 @@ def test_cacheblend_with_everything_selected_is_a_full_prefill(reordered):
     assert blend.recomputed_tokens == blend.prompt_tokens
     assert (blend.logits - full.logits).abs().max() < 1e-4
     assert (naive.logits - full.logits).abs().max() > 1e-3  # the comparison can see reuse
+    none = engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(recompute_ratio=0.0))
+    assert none.recomputed_tokens == naive.recomputed_tokens and torch.equal(none.logits, naive.logits)
 
 
 def test_selection_ranks_by_deviation_and_random_is_a_control():
@@ -152,3 +154,29 @@ def test_size_multiple_rounds_every_set(reordered):
             sizes[multiple] = [p.numel() for p in result.layer_positions]
     assert all(size % 8 == 0 or size == everything for size in sizes[8]), sizes
     assert sizes[8] != sizes[0] and all(abs(a - b) <= 4 for a, b in zip(sizes[8], sizes[0], strict=True)), sizes
+
+    def auto_sizes():  # size_multiple left at its default: exact in fp32, 16 in bf16
+        with torch.inference_mode():
+            config = RepairConfig(check_layer=0, recompute_ratio=0.3)
+            cache = assemble(plan, engine.adapter, plan.num_tokens)
+            return [p.numel() for p in cacheblend_prefill(engine.adapter, cache, plan, config).layer_positions]
+
+    assert auto_sizes() == sizes[0]
+    engine.adapter.model.to(torch.bfloat16)
+    assert all(size % 16 == 0 or size == everything for size in auto_sizes())
+
+
+def test_pinned_positions_run_every_layer_outside_the_budget(reordered):
+    engine, prompt = reordered
+    plan = engine.plan(prompt, "cacheblend")
+    reused = plan.positions(APPROX)
+    pinned = reused[: reused.numel() // 3]  # as if a query-aware pass had chosen these
+    config = RepairConfig(recompute_ratio=0.2, taper=4.0, size_multiple=0)
+    with torch.inference_mode():
+        result = cacheblend_prefill(engine.adapter, assemble(plan, engine.adapter, plan.num_tokens), plan, config,
+                                    pinned=pinned)
+    others = reused[~torch.isin(reused, pinned)]
+    fractions = layer_fractions(0.2, 4.0, len(result.layer_positions))
+    for fraction, positions in zip(fractions, result.layer_positions, strict=True):
+        assert torch.isin(pinned, positions).all()
+        assert int(torch.isin(positions, others).sum()) == math.ceil(fraction * others.numel())

@@ -21,7 +21,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from kvboost_rag import Generation, KVBoost
-from kvboost_rag.config import check_strategy
+from kvboost_rag.config import check_order, check_strategy
 from kvboost_rag.models import parse_dtype
 from kvboost_rag.serving import REPAIR_FIELDS, astream_pieces, model_key, repair_overrides, shared_engine
 
@@ -60,8 +60,8 @@ class ChatKVBoost(BaseChatModel):
         ```
 
     Per call, `strategy`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-    `recompute_ratio`, `taper`, `recency`, `boundary_tokens`, `check_layer` and `write_back` can be
-    overridden:
+    `recompute_ratio`, `taper`, `recency`, `boundary_tokens`, `check_layer`, `qa_order` and `write_back`
+    can be overridden:
     `llm.invoke(msgs, strategy="full")` or `llm.bind(strategy="full")`.
 
     Tool calling and structured output are not supported.
@@ -98,6 +98,10 @@ class ChatKVBoost(BaseChatModel):
     """selective: leading tokens of every reused chunk recomputed; None = the engine's default."""
     check_layer: int | None = Field(default=None, ge=0)
     """cacheblend: the layer where KV deviation is measured; None = the engine's default."""
+    qa_order: str | None = None
+    """queryaware: "prompt" (documents stay where they are) or "relevance_last" (the documents the
+    question needs move after the others: a rewritten prompt, which the bundled model answers better
+    than the original; see docs/quality.md); None = the engine's default."""
     streaming: bool = False
     """Whether `invoke` streams internally (for callback handlers); results are the same."""
     engine: KVBoost | None = Field(default=None, exclude=True)
@@ -109,6 +113,11 @@ class ChatKVBoost(BaseChatModel):
     @classmethod
     def _known_strategy(cls, value: str) -> str:
         return check_strategy(value)
+
+    @field_validator("qa_order")
+    @classmethod
+    def _known_order(cls, value: str | None) -> str | None:
+        return value if value is None else check_order(value)
 
     @field_validator("dtype")
     @classmethod
@@ -171,6 +180,7 @@ class ChatKVBoost(BaseChatModel):
             "recency": self.recency,
             "boundary_tokens": self.boundary_tokens,
             "check_layer": self.check_layer,
+            "qa_order": self.qa_order,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:

@@ -36,17 +36,19 @@ def test_construction_loads_no_model():
 
 @pytest.mark.parametrize("bad", [{"strategy": "fastest"}, {"dtype": "int8"}, {"recompute_ratio": 1.5},
                                  {"max_tokens": 0}, {"top_p": 0.0}, {"temperature": -1.0},
-                                 {"boundary_tokens": -1}])
+                                 {"boundary_tokens": -1}, {"qa_order": "random"}])
 def test_rejects_bad_settings(bad):
     with pytest.raises(ValidationError):
         ChatKVBoost(**bad)
 
 
 def test_aliases_and_identifying_params():
-    llm = ChatKVBoost(max_new_tokens=5, stop_sequences=["\n"], strategy="selective", boundary_tokens=4)
+    llm = ChatKVBoost(max_new_tokens=5, stop_sequences=["\n"], strategy="selective", boundary_tokens=4,
+                      qa_order="relevance_last")
     assert llm.max_tokens == 5 and llm.stop == ["\n"]
     params = llm._identifying_params
     assert params["strategy"] == "selective" and params["boundary_tokens"] == 4 and params["max_tokens"] == 5
+    assert params["qa_order"] == "relevance_last"
     assert llm._llm_type == "kvboost-chat"
     ls = llm._get_ls_params()
     assert ls["ls_provider"] == "kvboost" and ls["ls_model_name"] == "SmolLM2-135M-Instruct"

@@ -26,7 +26,7 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvboost_rag import Generation, KVBoost
-from kvboost_rag.config import check_strategy
+from kvboost_rag.config import check_order, check_strategy
 from kvboost_rag.models import parse_dtype
 from kvboost_rag.serving import REPAIR_FIELDS, astream_pieces, model_key, repair_overrides, shared_engine
 
@@ -97,6 +97,11 @@ class KVBoostLLM(CustomLLM):
     check_layer: int | None = Field(
         default=None, ge=0,
         description="cacheblend: layer where KV deviation is measured; None = the engine's default.")
+    qa_order: str | None = Field(
+        default=None,
+        description="queryaware: 'prompt' (documents stay where they are) or 'relevance_last' (the documents "
+                    "the question needs move after the others: a rewritten prompt, which the bundled model "
+                    "answers better than the original; see docs/quality.md); None = the engine's default.")
     context_window: int | None = Field(
         default=None, gt=0, description="Context window told to LlamaIndex; None = the model's own.")
 
@@ -111,6 +116,11 @@ class KVBoostLLM(CustomLLM):
     @classmethod
     def _known_strategy(cls, value: str) -> str:
         return check_strategy(value)
+
+    @field_validator("qa_order")
+    @classmethod
+    def _known_order(cls, value: str | None) -> str | None:
+        return value if value is None else check_order(value)
 
     @field_validator("dtype")
     @classmethod
