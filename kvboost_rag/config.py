@@ -58,8 +58,8 @@ class RepairConfig:
     # shrinking sets repeat a few matrix shapes across layers and requests: kernels that set up per
     # shape (oneDNN's bf16 on CPU) then reuse their setup. 16: bf16 1.46x -> 2.29x at the same KL; 64
     # is as fast but too coarse for the deep layers' small sets (KL 0.28 -> 0.31 of naive's; docs/quality.md).
-    # -1 (auto): 16 when the model computes in a 16-bit float type, else exact (fp32 gains nothing, and
-    # exact counts keep a request's set independent of how much of its fixed text was a cache hit).
+    # -1 (auto): 16 when the model computes in a 16-bit float type, else exact (fp32 gains nothing
+    # measurable from rounding).
     size_multiple: int = -1
     # cacheblend: how tokens are ranked, "deviation" (the method) or "random" (the control).
     select: str = "deviation"

@@ -111,6 +111,10 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
     reused = plan.positions(APPROX)
     positions = torch.unique(torch.cat([always, reused]))  # sorted; exact hits are never recomputed
     multiple = config.size_multiple if config.size_multiple >= 0 else (16 if adapter.dtype.itemsize == 2 else 0)
+    # Uncached text before the first reused document (the template's opening, say) has exact context:
+    # the next request finds it stored. Rounding leaves it out, so a request and its repeat choose alike.
+    head = [torch.arange(c.start, c.end) for c in plan.chunks if c.source == COMPUTE and c.exact_context]
+    head = torch.cat(head) if head else torch.empty(0, dtype=torch.long)
     check = min(max(config.check_layer, 0), num_layers - 1)
     # fractions[j]: of the reused tokens, how many get fresh K/V at layer check + 1 + j.
     fractions = layer_fractions(config.recompute_ratio, max(config.taper, 1.0), num_layers - check - 1)
@@ -138,9 +142,9 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
             is_reused = torch.isin(here, always, invert=True)
             count, available = math.ceil(fractions[layer - check] * num_reused), int(is_reused.sum())
             if multiple > 0 and count < available:
-                # The whole set (uncached and pinned included) to the nearest multiple; a layer that keeps
-                # every token stays whole, so recompute_ratio=1 is still a full prefill.
-                fixed = rows.numel() - available
+                # The set (uncached and pinned included, the head left out) to the nearest multiple; a layer
+                # that keeps every token stays whole, so recompute_ratio=1 is still a full prefill.
+                fixed = rows.numel() - available - int(torch.isin(here, head).sum())
                 total = max(round((fixed + count) / multiple), 1) * multiple
                 count = max(total - fixed, 0)
             keep = torch.arange(rows.numel())

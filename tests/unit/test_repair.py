@@ -180,3 +180,28 @@ def test_pinned_positions_run_every_layer_outside_the_budget(reordered):
     for fraction, positions in zip(fractions, result.layer_positions, strict=True):
         assert torch.isin(pinned, positions).all()
         assert int(torch.isin(positions, others).sum()) == math.ceil(fraction * others.numel())
+
+
+def test_rounded_sets_do_not_depend_on_the_template_being_a_cache_hit(make_tiny_engine, docs, rag_prompt):
+    """With rounding on, a request and its repeat (whose opening text was written back in between, so is
+    now an exact hit instead of computed) choose the same reused tokens at every layer."""
+    engine = make_tiny_engine(num_hidden_layers=8)  # several repaired layers with sets to round
+    engine.adapter.model.to(torch.bfloat16)  # rounding is on by default in 16-bit floats
+    engine.ingest(docs)
+    # A short system text: the opening (computed, then a hit) is not a multiple of 16 tokens long.
+    prompt = [{"role": "system", "content": "Answer."}, rag_prompt(docs[::-1], "Who founded the company?")[-1]]
+
+    def reused_sets():
+        plan = engine.plan(prompt, "cacheblend")
+        with torch.inference_mode():
+            result = cacheblend_prefill(engine.adapter, assemble(plan, engine.adapter, plan.num_tokens), plan,
+                                        RepairConfig(recompute_ratio=0.3))
+        reused = plan.positions(APPROX)
+        return plan, [p[torch.isin(p, reused)].tolist() for p in result.layer_positions]
+
+    first_plan, first = reused_sets()
+    engine.prefill(prompt, "cacheblend", write_back=True)  # stores the opening text's chunks
+    second_plan, second = reused_sets()
+    opening = second_plan.count("exact") - first_plan.count("exact")  # computed first, a hit now
+    assert opening > 0 and opening % 16
+    assert first == second
