@@ -57,6 +57,11 @@ class Plan:
         spans = [torch.arange(c.start, c.end) for c in self.chunks if c.source == source]
         return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
 
+    def computed_positions(self) -> torch.Tensor:
+        """The positions every strategy runs through every layer: those with nothing stored, and the
+        last one (its output is the next-token logits). [P] sorted."""
+        return torch.unique(torch.cat([self.positions(COMPUTE), torch.tensor([self.num_tokens - 1])]))
+
     def count(self, source: str) -> int:
         return sum(len(c.token_ids) for c in self.chunks if c.source == source)
 

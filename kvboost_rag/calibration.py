@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import models
-from .assembly import COMPUTE, Plan, assemble
+from .assembly import Plan, assemble
 from .documents import DocumentIndex
 
 CALIB_DATA = Path(__file__).resolve().parent / "bench" / "synthetic_calib.jsonl"
@@ -93,7 +93,7 @@ def naive_pass(engine, prompt, layers: range, probe_layers) -> tuple[Plan, dict[
     p = engine.plan(prompt, "naive")
     n = p.num_tokens
     cache = assemble(p, engine.adapter, n)
-    uncached = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
+    uncached = p.computed_positions()
     rows = question_rows(p, uncached, template_suffix_tokens(engine))
     _, probes = engine.adapter.run_layers_probed(engine.adapter.embed(p.token_ids[uncached]), uncached, cache,
                                                  layers, n, set(probe_layers), rows)

@@ -250,18 +250,15 @@ class KVBoost:
                 hidden, recomputed = blend.hidden, blend.recomputed_tokens
             elif strategy == "queryaware" and repair.qa_order == "relevance_last":
                 p, cache, hidden, recomputed = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
+            elif strategy == "queryaware":
+                hidden, recomputed = self._queryaware_in_place(p, cache, repair)
             else:
-                if strategy == "queryaware":
-                    hidden, positions = queryaware_prefill(self.adapter, cache, p, repair,
-                                                           self._retrieval_heads(repair), template_suffix_tokens(self))
-                else:
-                    if strategy == "selective":
-                        positions = selective_positions(p, repair.boundary_tokens)
-                    else:  # full, prefix, naive: exactly the tokens without stored KV, and the last one
-                        positions = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
-                    hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids[positions]), positions,
-                                                     cache, range(self.adapter.num_layers), n)[:, -1:]
-                recomputed = int(positions.numel())  # tokens run through every layer
+                # selective: the heads of reused chunks too; full, prefix, naive: the tokens without stored KV
+                positions = (selective_positions(p, repair.boundary_tokens) if strategy == "selective"
+                             else p.computed_positions())
+                hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids[positions]), positions,
+                                                 cache, range(self.adapter.num_layers), n)[:, -1:]
+                recomputed = int(positions.numel())
             logits = self.adapter.logits(hidden)[-1]
             ttft_ms = (time.perf_counter() - started) * 1e3
             if write_back and strategy != "full":
@@ -285,6 +282,12 @@ class KVBoost:
         """This engine's calibrated retrieval heads (see `calibration.retrieval_heads`)."""
         return retrieval_heads(self, max_heads=repair.qa_heads, items=repair.qa_calib_items)
 
+    def _queryaware_in_place(self, p: Plan, cache: KVBuffers, repair) -> tuple[torch.Tensor, int]:
+        """queryaware with the documents where they are: (last hidden, tokens run through every layer)."""
+        hidden, positions = queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
+                                               template_suffix_tokens(self))
+        return hidden, int(positions.numel())
+
     def _relevance_last(self, prompt: str | Messages, p: Plan, cache: KVBuffers, repair,
                         max_new_tokens: int) -> tuple[Plan, KVBuffers, torch.Tensor, int]:
         """queryaware with qa_order="relevance_last": rank the documents over the naive cache, move
@@ -296,9 +299,7 @@ class KVBoost:
         segments = split_segments(self.render(prompt), self.documents)
         if not spans or repair.qa_docs <= 0 or len(spans) != sum(isinstance(s, Document) for s in segments):
             # Documents back to back (no text between them) share a span: keep the prompt's order.
-            hidden, positions = queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
-                                                   template_suffix_tokens(self))
-            return p, cache, hidden, int(positions.numel())
+            return p, cache, *self._queryaware_in_place(p, cache, repair)
         scores, _, _ = rank_documents(self.adapter, cache, p, spans, heads, template_suffix_tokens(self))
         chosen = top_documents(scores, repair.qa_docs)
         chunks = tokenize_segments(move_last(segments, chosen), self.tokenizer, self.config.chunking.max_chunk_tokens,

@@ -59,9 +59,9 @@ def plot(report: dict, path: str) -> None:
     if has_accuracy:
         panels.append(("accuracy", "accuracy (higher is better)"))
     full, naive = rows.get("full"), rows.get("naive")
+    sizes = collections.Counter(family(name) for name in rows)
     for ax, (key, label) in zip(axes[0], panels, strict=False):
         curves: dict[str, list[tuple[float, float]]] = {}
-        sizes = collections.Counter(family(name) for name in rows)
         for name, r in rows.items():
             if r.get(key) is None:
                 continue

@@ -87,7 +87,6 @@ class Sample:
     distributions: torch.Tensor  # [T, V] logits: first token, then after each of the reference's tokens
     # For a rewritten prompt: a full prefill of it, the reference for agreement and KL (else `full`).
     reference: Sample | None = None
-    correct: bool | None = None
     metrics: dict = field(default_factory=dict)
 
 

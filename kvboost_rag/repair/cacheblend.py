@@ -103,8 +103,9 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
     a query-aware pass chose), outside the `recompute_ratio` budget."""
     check_select(config.select)  # before any work, even when no layer ends up choosing
     n, num_layers = plan.num_tokens, adapter.num_layers
-    extra = [] if pinned is None else [pinned.long()]
-    always = torch.unique(torch.cat([plan.positions(COMPUTE), torch.tensor([n - 1]), *extra]))  # run every layer
+    always = plan.computed_positions()  # run every layer, with the pinned tokens
+    if pinned is not None:
+        always = torch.unique(torch.cat([always, pinned.long()]))
     if config.recompute_ratio <= 0:  # nothing reused is repaired: naive reuse (plus the pinned tokens)
         hidden = adapter.run_layers(adapter.embed(plan.token_ids[always]), always, cache, range(num_layers), n)
         return BlendResult(hidden[:, -1:], [always])

@@ -26,7 +26,7 @@ import math
 import torch
 
 from ..adapter import ModelAdapter
-from ..assembly import APPROX, COMPUTE, Plan
+from ..assembly import APPROX, Plan
 from ..calibration import document_spans, head_doc_scores, question_rows
 from ..config import RepairConfig, check_order
 from ..kvcache import KVBuffers
@@ -41,7 +41,7 @@ def rank_documents(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, spans: l
     Returns (each span's score [len(spans)], {layer: the question's attention [H, R, S]}, the
     positions run). Their K/V are left in `cache` for the layers run; pass 2 overwrites them."""
     n = plan.num_tokens
-    uncached = torch.unique(torch.cat([plan.positions(COMPUTE), torch.tensor([n - 1])]))
+    uncached = plan.computed_positions()
     rows = question_rows(plan, uncached, suffix_tokens)
     last_layer = max(layer for layer, _ in heads)
     _, probes = adapter.run_layers_probed(adapter.embed(plan.token_ids[uncached]), uncached, cache,
@@ -59,7 +59,7 @@ def recompute(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: Repai
               heads=()) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 2: the uncached tokens, the chosen spans and what `qa_after` adds, through every layer."""
     n = plan.num_tokens
-    picked = [plan.positions(COMPUTE), torch.tensor([n - 1])] + [torch.arange(*spans[i]) for i in chosen]
+    picked = [plan.computed_positions()] + [torch.arange(*spans[i]) for i in chosen]
     if chosen:
         first = spans[chosen[0]][0]
         later = [i for i in range(len(spans)) if i not in chosen and spans[i][0] > first]

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
-from kvboost_rag.assembly import APPROX, COMPUTE, assemble
+from kvboost_rag.assembly import APPROX, assemble
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import continued_logits, kl, render_prompt
 from kvboost_rag.config import StoreConfig
@@ -91,7 +91,7 @@ def main() -> None:
             n = p.num_tokens
             stale = assemble(p, adapter, n + TOKENS)
             reused = p.positions(APPROX)
-            uncached = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
+            uncached = p.computed_positions()
             scratch = adapter.new_buffers(n + TOKENS)
             row = {"id": item.id}
             for name in variants:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvboost_rag import EngineConfig, KVBoost
-from kvboost_rag.assembly import APPROX, COMPUTE, assemble
+from kvboost_rag.assembly import APPROX, assemble
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import kl, render_prompt
 from kvboost_rag.calibration import document_spans
@@ -65,7 +65,7 @@ def cont(cache, logits, n, toks):
 def first_pass(p, cache, upto):
     """All non-exact tokens through layers 0..upto; returns (first, hidden, deviation per layer list)."""
     n = p.num_tokens
-    uncached = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
+    uncached = p.computed_positions()
     reused = p.positions(APPROX)
     first = torch.unique(torch.cat([uncached, reused]))
     hidden = A.embed(p.token_ids[first])
@@ -132,7 +132,7 @@ def v_progressive(p, cache, ratio=0.15, check=1, start_ratio=0.5, alpha=0.0, sch
 
 def v_naive(p, cache):
     n = p.num_tokens
-    unc = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
+    unc = p.computed_positions()
     h = A.run_layers(A.embed(p.token_ids[unc]), unc, cache, range(L), n)
     return h[:, -1:], len(unc) * L
 
@@ -174,7 +174,7 @@ def v_posweight(p, cache, ratio=0.15, check=1, alpha=1.0):
 def v_attn(p, cache, ratio=0.15, check=1, upto=None, alpha=1.0, mode="mul"):
     """cacheblend with deviation times the question's attention (all heads, layers 0..check, fresh pass)."""
     n = p.num_tokens
-    uncached = torch.unique(torch.cat([p.positions(COMPUTE), torch.tensor([n - 1])]))
+    uncached = p.computed_positions()
     reused = p.positions(APPROX)
     first = torch.unique(torch.cat([uncached, reused]))
     is_reused = torch.isin(first, uncached, invert=True)
