@@ -174,7 +174,8 @@ class ModelAdapter:
         Returns keys, values: [L, H_kv, S, D], straight from transformers' DynamicCache."""
         positions = torch.arange(start, start + token_ids.shape[0], device=self.device)[None]
         out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=positions, use_cache=True)
-        layers = out.past_key_values.layers
+        # The output's cache is `cache` from transformers 5.2x (`past_key_values` before, now a warning).
+        layers = (out.cache if "cache" in out else out.past_key_values).layers
         return torch.stack([layer.keys[0] for layer in layers]), torch.stack([layer.values[0] for layer in layers])
 
     @torch.inference_mode()

@@ -61,6 +61,10 @@ class RepairConfig:
     # -1 (auto): 16 when the model computes in a 16-bit float type, else exact (fp32 gains nothing
     # measurable from rounding).
     size_multiple: int = -1
+    # cacheblend (and relevance_last's repair): before repair, map the reused documents' K/V with the engine's
+    # drift maps (affine per layer and KV head from stale to true K/V, fitted on the corpus by
+    # `KVBoost.fit_drift`; see drift.py) when it has some. False: the K/V as stored.
+    drift: bool = True
     # cacheblend: how tokens are ranked, "deviation" (the method) or "random" (the control).
     select: str = "deviation"
     # cacheblend: seed of the random control, so a bench run is repeatable.

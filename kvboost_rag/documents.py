@@ -53,6 +53,10 @@ class DocumentIndex:
     def __len__(self) -> int:
         return len(self._by_text)
 
+    def texts(self) -> list[str]:
+        """Every indexed document's text, in the order they were added."""
+        return list(self._by_text)
+
     def get(self, text: str) -> Document | None:
         return self._by_text.get(text)
 

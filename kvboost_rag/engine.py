@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,8 @@ import torch
 import xxhash
 from tqdm.auto import tqdm
 
+from . import drift, models
 from . import keys as keyring
-from . import models
 from .adapter import ModelAdapter
 from .assembly import COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
 from .calibration import document_spans, retrieval_heads, template_suffix_tokens
@@ -119,6 +120,14 @@ class KVBoost:
         self.lock = threading.RLock()
         # What the engine did, for callers and tests: documents computed or found stored, chunks written back.
         self.counters: collections.Counter[str] = collections.Counter()
+        # Drift maps fitted on this corpus (fit_drift), read back from the disk tier's folder when saved there.
+        self.drift_path = Path(disk_dir) / f"drift-{self.fingerprint[:16]}.safetensors" if disk_dir else None
+        self.drift = None
+        if self.drift_path is not None and self.drift_path.exists():
+            self.drift = drift.load(self.drift_path, self.fingerprint, self.adapter)
+            if self.drift is None:
+                warnings.warn(f"ignoring drift maps {self.drift_path}: not this model's, or damaged; refit them "
+                              "with fit_drift()", stacklevel=2)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -246,7 +255,7 @@ class KVBoost:
                                  "fewer documents")
             cache = assemble(p, self.adapter, n + max_new_tokens)
             if strategy == "cacheblend":
-                blend = cacheblend_prefill(self.adapter, cache, p, repair)
+                blend = cacheblend_prefill(self.adapter, cache, p, repair, drift=self._drift_maps(repair))
                 hidden, recomputed = blend.hidden, blend.recomputed_tokens
             elif strategy == "queryaware" and repair.qa_order == "relevance_last":
                 p, cache, hidden, recomputed = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
@@ -282,6 +291,28 @@ class KVBoost:
         """This engine's calibrated retrieval heads (see `calibration.retrieval_heads`)."""
         return retrieval_heads(self, max_heads=repair.qa_heads, items=repair.qa_calib_items)
 
+    def _drift_maps(self, repair) -> drift.DriftMaps | None:
+        """The engine's fitted drift maps when `repair.drift` asks for them; None when off or never fitted."""
+        return self.drift if repair.drift else None
+
+    def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
+                  seed: int = 0) -> drift.DriftMaps:
+        """Fit drift maps on this corpus (see `drift.py`) and use them from now on: `prompts` prompts of
+        `per_prompt` documents drawn from `texts` (ingested first), or from every ingested document. Costs
+        about one full prefill per prompt; saved next to the disk tier, where the next engine finds them."""
+        if texts is not None:
+            self.ingest(list(texts), progress=False)
+        pool = list(texts) if texts is not None else self.documents.texts()
+        if len(pool) < 2:
+            raise ValueError(f"fit_drift needs at least two ingested documents, got {len(pool)}: ingest the "
+                             "corpus first")
+        with self.lock:
+            maps = drift.fit(self, drift.calibration_prompts(self, pool, prompts, per_prompt, seed))
+            self.drift = maps
+            if self.drift_path is not None:
+                drift.save(maps, self.drift_path, self.fingerprint)
+        return maps
+
     def _queryaware_in_place(self, p: Plan, cache: KVBuffers, repair) -> tuple[torch.Tensor, int]:
         """queryaware with the documents where they are: (last hidden, tokens run through every layer)."""
         hidden, positions = queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
@@ -309,7 +340,7 @@ class KVBoost:
         k, spans = len(spans), document_spans(p)
         # The chosen documents, now the last ones, run every layer; the others get CacheBlend's repair.
         pinned = torch.cat([torch.arange(*spans[i]) for i in range(k - len(chosen), k)])
-        blend = cacheblend_prefill(self.adapter, cache, p, repair, pinned=pinned)
+        blend = cacheblend_prefill(self.adapter, cache, p, repair, pinned=pinned, drift=self._drift_maps(repair))
         return p, cache, blend.hidden, blend.recomputed_tokens
 
     def _write_back(self, p: Plan, cache: KVBuffers) -> None:

@@ -42,6 +42,16 @@ class StrategySpec:
     repair: RepairConfig
 
 
+def _setting(current, value: str, label: str):
+    """`value` as the type of the setting's current value; bool() of any non-empty text is True, so booleans
+    are read by name."""
+    if isinstance(current, bool):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{value!r} in {label!r} is not a boolean; use true or false")
+        return value.lower() in ("true", "1")
+    return type(current)(value)
+
+
 def parse_strategies(text: str, base: RepairConfig) -> list[StrategySpec]:
     """"full,naive,cacheblend:recompute_ratio=0.3" -> specs; `full` always comes first."""
     specs, names = [], [s.strip() for s in text.split(";" if ";" in text else ",") if s.strip()]
@@ -55,8 +65,7 @@ def parse_strategies(text: str, base: RepairConfig) -> list[StrategySpec]:
             key, _, value = pair.partition("=")
             if key not in fields:
                 raise ValueError(f"unknown repair setting {key!r} in {label!r}; use {', '.join(fields)}")
-            current = getattr(base, key)
-            repair = dataclasses.replace(repair, **{key: type(current)(value)})
+            repair = dataclasses.replace(repair, **{key: _setting(getattr(base, key), value, label)})
         specs.append(StrategySpec(label, name, repair))
     if FULL not in [s.label for s in specs]:
         specs.insert(0, StrategySpec(FULL, FULL, base))
@@ -168,10 +177,13 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
 
 
 def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec], *, max_new_tokens: int = 16,
-              agree_tokens: int = 16, progress: bool = True) -> dict:
-    """Ingest every document (untimed), warm up, then measure; returns the JSON-ready report."""
+              agree_tokens: int = 16, progress: bool = True, drift_prompts: int = 0) -> dict:
+    """Ingest every document (untimed), fit drift maps on them when asked, warm up, then measure; returns
+    the JSON-ready report."""
     started = time.perf_counter()
     engine.ingest([d for item in items for d in item.documents], progress=progress)
+    if drift_prompts > 0:
+        engine.fit_drift(prompts=drift_prompts)
     # Classic prefix caching keeps the shared system prompt: store it once, as a server would have.
     for item in items[:1]:
         rendered = engine.render(render_prompt(item))
@@ -192,6 +204,7 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
         "items": len(items),
         "max_new_tokens": max_new_tokens,
         "agree_tokens": agree_tokens,
+        "drift_prompts": engine.drift.prompts if engine.drift is not None else 0,  # 0: stored K/V as they are
         "seconds": round(time.perf_counter() - started, 1),
         "strategies": summarize([{k: v for k, v in r.items() if k != "id"} for r in per_item], labels),
         "per_item": per_item,

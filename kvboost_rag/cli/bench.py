@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--skip", type=int, default=0, help="skip the first N items (a tuning slice, say)")
     # 32: the bundled model often restates the question before the answer; 16 cuts answers off.
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--fit-drift", type=int, default=0, metavar="PROMPTS",
+                   help="fit drift maps on this many prompts of the ingested documents before measuring "
+                        "(untimed; with --store they are saved there and found by later runs); 0 = no")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--plot", type=Path, default=None, help="PNG: speed-up vs continuation KL and accuracy")
     add_engine_options(p)
@@ -34,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     items = load_items(args.data, limit=None if args.limit is None else args.skip + args.limit)[args.skip:]
     specs = parse_strategies(args.strategies, engine_config(args).repair)
     engine = make_engine(args)
-    report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens)
+    report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens, drift_prompts=args.fit_drift)
     report["command_args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
     print(table(report))
     if args.json:

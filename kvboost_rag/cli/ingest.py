@@ -13,11 +13,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("ingest", help="precompute and store document KV (one document per text file)")
     p.add_argument("paths", nargs="+", type=Path, help="text files or folders of them")
     p.add_argument("--pin", action="store_true", help="never evict these documents from memory")
+    p.add_argument("--fit-drift", type=int, default=0, metavar="PROMPTS",
+                   help="then fit drift maps on this many prompts of the stored documents (about one full "
+                        "prefill each; saved in --store, used by cacheblend from then on); 0 = no")
     add_engine_options(p)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.fit_drift and not args.store:
+        raise SystemExit("--fit-drift needs --store: the maps are saved next to the stored documents")
     docs = read_documents(args.paths)
     engine = make_engine(args)
     try:
@@ -37,4 +42,9 @@ def _run(args, engine, docs) -> int:
           f"tokens {tokens}  "
           + (f"bytes {nbytes:,}  " if nbytes is not None else "")
           + f"seconds {seconds:.1f}" + (f"  store {args.store}" if args.store else ""))
+    if args.fit_drift:
+        started = time.perf_counter()
+        maps = engine.fit_drift(prompts=args.fit_drift)
+        print(f"drift maps fitted on {maps.prompts} prompts in {time.perf_counter() - started:.1f}s: "
+              f"{engine.drift_path}")
     return 0

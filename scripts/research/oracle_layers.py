@@ -74,7 +74,7 @@ def oracle_choice(truth, stale, reused, n, num_layers, nested: bool, recency: fl
 def main() -> None:
     data, start, end, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     engine = KVBoost.from_pretrained(config=EngineConfig(store=StoreConfig(disk_dir=Path(store))))
-    adapter, config = engine.adapter, RepairConfig()
+    adapter, config = engine.adapter, RepairConfig(drift=False)  # measured before drift correction
     L = adapter.num_layers
     variants = (["naive"] + [f"truth<{m}" for m in (2, 8, 15, 22)] + [f"truth>={m}" for m in (8, 15, 22)]
                 + ["oracle", "oracle-rec", "oracle-free-rec", "cacheblend"])
@@ -96,7 +96,7 @@ def main() -> None:
             row = {"id": item.id}
             for name in variants:
                 if name == "cacheblend":
-                    pre = engine.prefill(prompt, "cacheblend", max_new_tokens=TOKENS, write_back=False)
+                    pre = engine.prefill(prompt, "cacheblend", max_new_tokens=TOKENS, write_back=False, repair=config)
                 else:
                     if name == "naive":
                         choice = {}

@@ -20,6 +20,10 @@ def test_strategy_specs_carry_repair_overrides_and_full_comes_first():
         parse_strategies("fast", RepairConfig())
     with pytest.raises(ValueError, match="unknown repair setting"):
         parse_strategies("cacheblend:ratio=0.2", RepairConfig())
+    off = parse_strategies("cacheblend:drift=false,cacheblend:drift=True", RepairConfig())
+    assert [s.repair.drift for s in off[1:]] == [False, True]
+    with pytest.raises(ValueError, match="not a boolean"):
+        parse_strategies("cacheblend:drift=no", RepairConfig())
 
 
 def test_kl_is_zero_on_itself_and_positive_otherwise():

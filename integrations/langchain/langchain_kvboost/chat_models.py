@@ -60,7 +60,7 @@ class ChatKVBoost(BaseChatModel):
         ```
 
     Per call, `strategy`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-    `recompute_ratio`, `taper`, `recency`, `boundary_tokens`, `check_layer`, `qa_order` and `write_back`
+    `recompute_ratio`, `taper`, `recency`, `boundary_tokens`, `check_layer`, `qa_order`, `drift` and `write_back`
     can be overridden:
     `llm.invoke(msgs, strategy="full")` or `llm.bind(strategy="full")`.
 
@@ -102,6 +102,9 @@ class ChatKVBoost(BaseChatModel):
     """queryaware: "prompt" (documents stay where they are) or "relevance_last" (the documents the
     question needs move after the others: a rewritten prompt, which the bundled model answers better
     than the original; see docs/quality.md); None = the engine's default."""
+    drift: bool | None = None
+    """cacheblend: map the reused documents' K/V with the model's drift maps before repair (fitted once
+    per model; see docs/quality.md); False serves them as stored; None = the engine's default (on)."""
     streaming: bool = False
     """Whether `invoke` streams internally (for callback handlers); results are the same."""
     engine: KVBoost | None = Field(default=None, exclude=True)
@@ -181,6 +184,7 @@ class ChatKVBoost(BaseChatModel):
             "boundary_tokens": self.boundary_tokens,
             "check_layer": self.check_layer,
             "qa_order": self.qa_order,
+            "drift": self.drift,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:

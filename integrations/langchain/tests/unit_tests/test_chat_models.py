@@ -44,11 +44,11 @@ def test_rejects_bad_settings(bad):
 
 def test_aliases_and_identifying_params():
     llm = ChatKVBoost(max_new_tokens=5, stop_sequences=["\n"], strategy="selective", boundary_tokens=4,
-                      qa_order="relevance_last")
+                      qa_order="relevance_last", drift=False)
     assert llm.max_tokens == 5 and llm.stop == ["\n"]
     params = llm._identifying_params
     assert params["strategy"] == "selective" and params["boundary_tokens"] == 4 and params["max_tokens"] == 5
-    assert params["qa_order"] == "relevance_last"
+    assert params["qa_order"] == "relevance_last" and params["drift"] is False
     assert llm._llm_type == "kvboost-chat"
     ls = llm._get_ls_params()
     assert ls["ls_provider"] == "kvboost" and ls["ls_model_name"] == "SmolLM2-135M-Instruct"

@@ -102,6 +102,11 @@ class KVBoostLLM(CustomLLM):
         description="queryaware: 'prompt' (documents stay where they are) or 'relevance_last' (the documents "
                     "the question needs move after the others: a rewritten prompt, which the bundled model "
                     "answers better than the original; see docs/quality.md); None = the engine's default.")
+    drift: bool | None = Field(
+        default=None,
+        description="cacheblend: map the reused documents' K/V with the model's drift maps before repair "
+                    "(fitted once per model; see docs/quality.md); False serves them as stored; None = the "
+                    "engine's default (on).")
     context_window: int | None = Field(
         default=None, gt=0, description="Context window told to LlamaIndex; None = the model's own.")
 

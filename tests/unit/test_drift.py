@@ -1,0 +1,123 @@
+"""Drift correction on a tiny random model: the maps' frame, their fit, their file, and when they apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_rag import EngineConfig, RepairConfig
+from kvboost_rag.assembly import APPROX, assemble
+from kvboost_rag.config import StoreConfig
+from kvboost_rag.drift import DriftMaps, calibration_prompts, correct, fit
+
+
+def affine_maps(adapter, scale: float = 1.0, bias: float = 0.0) -> DriftMaps:
+    d = adapter.head_dim
+    w = torch.cat([scale * torch.eye(d), torch.full((1, d), bias)])  # [D + 1, D]: x @ scale * I + bias
+    w = w.expand(adapter.num_layers, adapter.num_kv_heads, d + 1, d).clone()
+    return DriftMaps(w, w.clone(), 1)
+
+
+def naive_cache(engine, prompt):
+    p = engine.plan(prompt, "naive")
+    return p, assemble(p, engine.adapter, p.num_tokens)
+
+
+def unrotated(adapter, keys, positions):
+    cos, sin = (t[0] for t in adapter.rope(positions, keys))
+    return keys * cos - adapter._rotate_half(keys) * sin
+
+
+def test_maps_act_on_reused_positions_in_the_unrotated_frame(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    engine.ingest(docs)
+    p, cache = naive_cache(engine, rag_prompt(docs[::-1], "Who founded the company?"))
+    reused, n = p.positions(APPROX), p.num_tokens
+    before = [k[0, :, :n].clone() for k in cache.keys], [v[0, :, :n].clone() for v in cache.values]
+    correct(engine.adapter, cache, reused, affine_maps(engine.adapter))  # identity
+    for layer in range(engine.adapter.num_layers):
+        torch.testing.assert_close(cache.keys[layer][0, :, :n], before[0][layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.values[layer][0, :, :n], before[1][layer])
+    correct(engine.adapter, cache, reused, affine_maps(engine.adapter, bias=0.5))
+    other = torch.isin(torch.arange(n), reused, invert=True)
+    for layer in range(engine.adapter.num_layers):
+        keys, old = cache.keys[layer][0, :, :n], before[0][layer]
+        # A bias in the unrotated frame is the same shift for every reused token, whatever its position.
+        shift = unrotated(engine.adapter, keys[:, reused], reused) - unrotated(engine.adapter, old[:, reused], reused)
+        expected = 0.0 if layer == 0 else 0.5  # layer 0's K/V do not depend on context: left alone
+        torch.testing.assert_close(shift, torch.full_like(shift, expected), atol=1e-4, rtol=0)
+        assert torch.equal(keys[:, other], old[:, other])  # uncached and exact tokens untouched
+        assert torch.equal(cache.values[layer][0, :, other], before[1][layer][:, other])
+
+
+def test_fitted_maps_bring_stale_kv_closer_to_the_truth(make_tiny_engine, docs):
+    engine = make_tiny_engine()
+    engine.ingest(docs)
+    prompts = calibration_prompts(engine, docs, count=3, per_prompt=4)
+    maps = fit(engine, prompts)
+    assert maps.prompts == 3
+    for prompt in prompts:
+        p, cache = naive_cache(engine, prompt)
+        reused = p.positions(APPROX)
+        true_keys, true_values = engine.adapter.reference_kv(p.token_ids)
+
+        def error(cache, reused=reused, true_keys=true_keys, true_values=true_values):
+            return sum(float((cache.keys[i][0, :, reused] - true_keys[i][:, reused]).pow(2).sum()
+                             + (cache.values[i][0, :, reused] - true_values[i][:, reused]).pow(2).sum())
+                       for i in range(1, engine.adapter.num_layers))
+
+        stale = error(cache)
+        correct(engine.adapter, cache, reused, maps)
+        assert error(cache) < 0.9 * stale  # least squares on these very prompts: strictly closer
+
+
+def test_calibration_prompts_fit_the_context_window(make_tiny_engine, docs):
+    engine = make_tiny_engine(max_position_embeddings=160)
+    prompts = calibration_prompts(engine, docs, count=4, per_prompt=len(docs), seed=1)
+    assert len(prompts) == 4
+    for prompt in prompts:
+        assert engine.plan(prompt, "full").num_tokens <= 160
+    assert len({m[0]["content"] for m in prompts}) > 1  # drawn at random, not one fixed prompt
+
+
+def test_maps_apply_only_when_fitted_and_asked_for(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    engine.ingest(docs)
+    prompt = rag_prompt(docs[::-1], "Who founded the company?")
+    off = RepairConfig(drift=False)
+    stored = engine.prefill(prompt, "cacheblend", write_back=False, repair=off)
+    assert engine.drift is None  # never fitted: the default (drift on) serves the stored K/V
+    assert torch.equal(engine.prefill(prompt, "cacheblend", write_back=False).logits, stored.logits)
+    engine.fit_drift(prompts=3, per_prompt=4)
+    mapped = engine.prefill(prompt, "cacheblend", write_back=False)
+    assert not torch.equal(mapped.logits, stored.logits)
+    assert torch.equal(engine.prefill(prompt, "cacheblend", write_back=False, repair=off).logits, stored.logits)
+    assert torch.equal(engine.prefill(prompt, "naive", write_back=False).logits,
+                       engine.prefill(prompt, "cacheblend", write_back=False,
+                                      repair=RepairConfig(recompute_ratio=0.0, drift=False)).logits)
+    with pytest.raises(ValueError, match="at least two"):
+        make_tiny_engine().fit_drift()
+
+
+def test_saved_maps_are_found_by_the_next_engine_and_a_foreign_or_damaged_file_is_ignored(
+        make_tiny_engine, docs, rag_prompt, tmp_path):
+    config = EngineConfig(store=StoreConfig(disk_dir=tmp_path))
+    first = make_tiny_engine(config)
+    first.fit_drift(docs, prompts=3, per_prompt=4)
+    assert first.drift_path.exists()
+    prompt = rag_prompt(docs[::-1], "Who founded the company?")
+    second = make_tiny_engine(config)
+    assert torch.equal(second.drift.keys, first.drift.keys)
+    assert torch.equal(second.prefill(prompt, "cacheblend", write_back=False).logits,
+                       first.prefill(prompt, "cacheblend", write_back=False).logits)
+    other = make_tiny_engine(config, seed=1)  # another model: its own file name; a copy of ours is refused
+    assert other.drift is None
+    other.drift_path.write_bytes(first.drift_path.read_bytes())
+    with pytest.warns(UserWarning, match="not this model's, or damaged"):
+        assert make_tiny_engine(config, seed=1).drift is None
+    first.drift_path.write_bytes(b"not a safetensors file")
+    with pytest.warns(UserWarning, match="refit them"):
+        damaged = make_tiny_engine(config)
+    assert damaged.drift is None
+    assert torch.equal(damaged.prefill(prompt, "cacheblend", write_back=False).logits,
+                       damaged.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(drift=False)).logits)
