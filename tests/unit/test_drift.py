@@ -20,7 +20,13 @@ def affine_maps(adapter, scale: float = 1.0, bias: float = 0.0) -> DriftMaps:
 
 def naive_cache(engine, prompt):
     p = engine.plan(prompt, "naive")
-    return p, assemble(p, engine.adapter, p.num_tokens)
+    cache = assemble(p, engine.adapter, p.num_tokens)
+    # Positions without stored K/V are left uninitialized by assembly (a prefill writes them); zero them so
+    # that comparisons see numbers, not whatever the memory held (NaN included).
+    uncached = torch.isin(torch.arange(p.num_tokens), p.positions(APPROX), invert=True)
+    cache.all_keys[:, 0, :, uncached] = 0
+    cache.all_values[:, 0, :, uncached] = 0
+    return p, cache
 
 
 def unrotated(adapter, keys, positions):

@@ -114,9 +114,6 @@ def test_cacheblend_budget_ends_are_full_prefill_and_naive_reuse(reordered):
     none = engine.prefill(prompt, "cacheblend", write_back=False,
                           repair=RepairConfig(recompute_ratio=0.0, drift=False))
     assert none.recomputed_tokens == naive.recomputed_tokens and torch.equal(none.logits, naive.logits)
-    # With drift correction (the default) the same budget serves the mapped K/V instead: not naive's numbers.
-    mapped = engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(recompute_ratio=0.0))
-    assert mapped.recomputed_tokens == naive.recomputed_tokens and not torch.equal(mapped.logits, naive.logits)
 
 
 def test_selection_ranks_by_deviation_and_random_is_a_control():
