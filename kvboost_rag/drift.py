@@ -72,13 +72,15 @@ def correct(adapter, cache, positions: torch.Tensor, maps: DriftMaps) -> None:
 def calibration_prompts(engine, texts: Sequence[str], count: int, per_prompt: int, seed: int = 0) -> list:
     """`count` prompts of `per_prompt` documents drawn at random from `texts` (ingested), in random order,
     as one user message each; fewer documents where a prompt would not fit the context window."""
-    rng = random.Random(seed)
+    rng, texts = random.Random(seed), list(texts)
+    room = engine.adapter.max_context - 64  # room for the template around the documents
     prompts = []
     for _ in range(count):
-        group = rng.sample(list(texts), min(per_prompt, len(texts)))
-        while len(group) > 1 and sum(len(engine.document(t).token_ids) + 2 for t in group) > \
-                engine.adapter.max_context - 64:  # room for the template around them
+        group = rng.sample(texts, min(per_prompt, len(texts)))
+        sizes = [len(engine.document(t).token_ids) + 2 for t in group]  # + the separator
+        while len(group) > 1 and sum(sizes) > room:
             group.pop()
+            sizes.pop()
         prompts.append([{"role": "user", "content": "\n\n".join(group)}])
     return prompts
 

@@ -300,9 +300,9 @@ class KVBoost:
         """Fit drift maps on this corpus (see `drift.py`) and use them from now on: `prompts` prompts of
         `per_prompt` documents drawn from `texts` (ingested first), or from every ingested document. Costs
         about one full prefill per prompt; saved next to the disk tier, where the next engine finds them."""
-        if texts is not None:
-            self.ingest(list(texts), progress=False)
         pool = list(texts) if texts is not None else self.documents.texts()
+        if texts is not None:
+            self.ingest(pool, progress=False)
         if len(pool) < 2:
             raise ValueError(f"fit_drift needs at least two ingested documents, got {len(pool)}: ingest the "
                              "corpus first")
