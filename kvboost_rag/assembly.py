@@ -21,6 +21,7 @@ import torch
 from . import keys as keyring
 from .adapter import ModelAdapter
 from .documents import Document, DocumentIndex
+from .drift import DriftMaps, place
 from .kvcache import KVBuffers
 from .store.base import KVEntry, KVStore
 
@@ -125,12 +126,16 @@ def plan(chunks: list[tuple[tuple[int, ...], bool]], fingerprint: str, store: KV
     return Plan(ids, planned)
 
 
-def assemble(plan: Plan, adapter: ModelAdapter, capacity: int) -> KVBuffers:
-    """Buffers holding every stored chunk's KV at its place (keys re-rotated where it moved)."""
+def assemble(plan: Plan, adapter: ModelAdapter, capacity: int, drift: DriftMaps | None = None) -> KVBuffers:
+    """Buffers holding every stored chunk's KV at its place (keys re-rotated where it moved), the reused
+    documents' K/V mapped by `drift` when given (see drift.py; exact hits are served as they are)."""
     cache = adapter.new_buffers(capacity)
     for chunk in plan.chunks:
         if chunk.entry is None:
             continue
-        keys = adapter.rotate_keys(chunk.entry.keys, chunk.start - chunk.entry.start)  # [L, H_kv, S, D]
-        cache.write(chunk.start, keys, chunk.entry.values)
+        if chunk.source == APPROX and drift is not None:
+            place(adapter, cache, chunk.entry, chunk.start, drift)
+        else:
+            keys = adapter.rotate_keys(chunk.entry.keys, chunk.start - chunk.entry.start)  # [L, H_kv, S, D]
+            cache.write(chunk.start, keys, chunk.entry.values)
     return cache

@@ -18,7 +18,7 @@ the same documentation improve them. So they are fitted on what the engine has i
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,22 +27,39 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .assembly import APPROX, assemble
-
-VERSION = 1
+VERSION = 2  # 2: maps per bucket of document offsets
 RIDGE = 1e-2  # keeps the normal equations well posed for channels that barely vary
 
 
 @dataclass(frozen=True)
 class DriftMaps:
-    keys: torch.Tensor  # [L, H_kv, D + 1, D] fp32: unrotated stale key (and a 1) -> unrotated true key
-    values: torch.Tensor  # [L, H_kv, D + 1, D] fp32
+    keys: torch.Tensor  # [B, L, H_kv, D + 1, D] fp32: unrotated stale key (and a 1) -> unrotated true key
+    values: torch.Tensor  # [B, L, H_kv, D + 1, D] fp32
     prompts: int  # calibration prompts fitted on
+    offsets: tuple[int, ...] = (0,)  # bucket b maps the tokens at document offsets [offsets[b], offsets[b + 1])
+
+
+def _buckets(offsets: tuple[int, ...], first: int, count: int) -> list[tuple[int, int, int]]:
+    """(bucket, i, j): tokens i .. j - 1 of a chunk whose first token sits at document offset `first`."""
+    bounds = [*offsets[1:], first + count]
+    spans, start = [], 0
+    for b, end in enumerate(bounds):
+        end = min(max(end - first, 0), count)
+        if end > start:
+            spans.append((b, start, end))
+            start = end
+    return spans
 
 
 def _affine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [H, N, D] @ w: [H, D + 1, D] (the last row is the bias) -> [H, N, D], in fp32."""
+    """x: [B, N, D] @ w: [B, D + 1, D] (the last row is the bias) -> [B, N, D], in fp32."""
     return torch.baddbmm(w[:, -1:], x.float(), w[:, :-1])
+
+
+def _frame(adapter, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos, sin for positions start .. start + count - 1: [count, D] fp32."""
+    cos, sin = adapter.rope(torch.arange(start, start + count), torch.empty(0, dtype=torch.float32))
+    return cos[0], sin[0]
 
 
 def _unrotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -53,27 +70,43 @@ def _rotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return torch.addcmul(keys * cos, adapter._rotate_half(keys), sin)
 
 
-def correct(adapter, cache, positions: torch.Tensor, maps: DriftMaps) -> None:
-    """Map the stale K/V at `positions` [P] in `cache`, in place, at every layer after the first (layer 0's
-    K/V do not depend on context)."""
-    if positions.numel() == 0:
-        return
-    cos, sin = (t[0].float() for t in adapter.rope(positions, cache.keys[0]))  # [P, D]
-    # Layer by layer: one layer's K/V (~1 MB) stay in cache across the few passes; all layers at once
-    # (tens of MB per pass) measured 4x slower on this CPU.
-    for layer in range(1, adapter.num_layers):
-        keys = _unrotate(adapter, cache.keys[layer][0, :, positions].float(), cos, sin)
-        keys = _rotate(adapter, _affine(keys, maps.keys[layer]), cos, sin)
-        cache.keys[layer][0].index_copy_(1, positions, keys.to(cache.keys[layer].dtype))
-        values = _affine(cache.values[layer][0, :, positions], maps.values[layer])
-        cache.values[layer][0].index_copy_(1, positions, values.to(cache.values[layer].dtype))
+def place(adapter, cache, entry, start: int, maps: DriftMaps) -> None:
+    """Write a stored chunk's K/V into `cache` at `start`, mapped (layer 0's K/V do not depend on context: only
+    moved). Done per chunk while the prompt is assembled, all mapped layers in one batched product over
+    contiguous memory, written straight into the cache: gathering the reused positions from the assembled
+    cache afterwards, layer by layer, cost twice as much."""
+    keys, values = entry.keys, entry.values  # [L, H_kv, S, D]
+    layers, heads, count, dim = keys.shape
+    cached_keys = cache.all_keys[:, 0, :, start:start + count]  # views: [L, H_kv, S, D]
+    cached_values = cache.all_values[:, 0, :, start:start + count]
+    cached_keys[0] = adapter.rotate_keys(keys[:1], start - entry.start)[0]
+    cached_values[0] = values[0]
+    unrotated = _unrotate(adapter, keys[1:].float(), *_frame(adapter, entry.start, count))
+    mapped = torch.empty_like(unrotated)
+    mapped_values = torch.empty_like(mapped)
+    for b, i, j in _buckets(maps.offsets, entry.start, count):
+        mapped[:, :, i:j] = _affine(unrotated[:, :, i:j].flatten(0, 1), maps.keys[b, 1:].flatten(0, 1)).view(
+            layers - 1, heads, j - i, dim)
+        mapped_values[:, :, i:j] = _affine(values[1:, :, i:j].flatten(0, 1), maps.values[b, 1:].flatten(0, 1)).view(
+            layers - 1, heads, j - i, dim)
+    cached_keys[1:] = _rotate(adapter, mapped, *_frame(adapter, start, count))
+    cached_values[1:] = mapped_values
 
 
-def calibration_prompts(engine, texts: Sequence[str], count: int, per_prompt: int, seed: int = 0) -> list:
+def bare_layout(documents: list[str]) -> list[dict]:
+    """The documents as one user message (the chat template's default system text before them)."""
+    return [{"role": "user", "content": "\n\n".join(documents)}]
+
+
+def calibration_prompts(engine, texts: Sequence[str], count: int, per_prompt: int, seed: int = 0,
+                        layout: Callable[[list[str]], str | list[dict]] = bare_layout) -> list:
     """`count` prompts of `per_prompt` documents drawn at random from `texts` (ingested), in random order,
-    as one user message each; fewer documents where a prompt would not fit the context window."""
+    laid out by `layout`; fewer documents where a prompt would not fit the context window.
+
+    The layout is the application's prompt around the documents (its system text, its template): what comes
+    before a document is what it drifts towards, so maps fitted in the layout they serve fit best."""
     rng, texts = random.Random(seed), list(texts)
-    room = engine.adapter.max_context - 64  # room for the template around the documents
+    room = engine.adapter.max_context - 64  # room for the layout's text around the documents
     prompts = []
     for _ in range(count):
         group = rng.sample(texts, min(per_prompt, len(texts)))
@@ -81,49 +114,53 @@ def calibration_prompts(engine, texts: Sequence[str], count: int, per_prompt: in
         while len(group) > 1 and sum(sizes) > room:
             group.pop()
             sizes.pop()
-        prompts.append([{"role": "user", "content": "\n\n".join(group)}])
+        prompts.append(layout(group))
     return prompts
 
 
 @torch.inference_mode()
-def fit(engine, prompts: Sequence) -> DriftMaps:
+def fit(engine, prompts: Sequence, offsets: tuple[int, ...] = (0,)) -> DriftMaps:
     """Ridge-fit the maps on `prompts` (whose documents the engine has ingested): each prompt's stored
-    documents as assembled (stale) against the model's own forward over the whole prompt (true)."""
+    documents (stale) against the model's own forward over the whole prompt (true), keys unrotated."""
+    from .assembly import APPROX  # assembly imports this module to place the mapped chunks
+
     adapter = engine.adapter
     d = adapter.head_dim
-    shape = (2, adapter.num_layers, adapter.num_kv_heads)
-    xtx = torch.zeros(*shape, d + 1, d + 1, dtype=torch.float64)  # normal equations, K then V
+    shape = (2, len(offsets), adapter.num_layers, adapter.num_kv_heads)
+    xtx = torch.zeros(*shape, d + 1, d + 1, dtype=torch.float64)  # normal equations, K then V, per bucket
     xty = torch.zeros(*shape, d + 1, d, dtype=torch.float64)
     used = 0
     for prompt in tqdm(prompts, desc="fitting drift maps", unit="prompt", disable=None):
         p = engine.plan(prompt, "naive")
-        positions = p.positions(APPROX)
-        if positions.numel() == 0 or p.num_tokens > adapter.max_context:
+        reused = [c for c in p.chunks if c.source == APPROX]
+        if not reused or p.num_tokens > adapter.max_context:
             continue
-        stale = assemble(p, adapter, p.num_tokens)
         true_keys, true_values = adapter.reference_kv(p.token_ids)  # [L, H_kv, N, D]
-        cos, sin = (t[0].float() for t in adapter.rope(positions, true_keys))
-        for layer in range(adapter.num_layers):
-            pairs = ((_unrotate(adapter, stale.keys[layer][0, :, positions].float(), cos, sin),
-                      _unrotate(adapter, true_keys[layer][:, positions].float(), cos, sin)),
-                     (stale.values[layer][0, :, positions], true_values[layer][:, positions]))
-            for which, (x, y) in enumerate(pairs):
-                x = torch.cat([x, torch.ones_like(x[..., :1])], -1).double()  # [H, N, D + 1]
-                xtx[which, layer] += x.transpose(1, 2) @ x
-                xty[which, layer] += x.transpose(1, 2) @ y.double()
+        for c in reused:
+            count = len(c.token_ids)
+            stale_keys = _unrotate(adapter, c.entry.keys.float(), *_frame(adapter, c.entry.start, count))
+            keys = _unrotate(adapter, true_keys[:, :, c.start:c.end].float(), *_frame(adapter, c.start, count))
+            pairs = ((stale_keys, keys), (c.entry.values, true_values[:, :, c.start:c.end]))
+            for b, i, j in _buckets(offsets, c.entry.start, count):
+                for which, (x, y) in enumerate(pairs):
+                    x = x[:, :, i:j].double()  # [L, H_kv, P, D]
+                    x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+                    xtx[which, b] += x.transpose(-1, -2) @ x
+                    xty[which, b] += x.transpose(-1, -2) @ y[:, :, i:j].double()
         used += 1
     if used == 0:
         raise ValueError("no calibration prompt had stored documents within the context window: ingest the "
                          "documents first (fit_drift needs at least two)")
     maps = torch.linalg.solve(xtx + RIDGE * torch.eye(d + 1, dtype=torch.float64), xty).float()
-    return DriftMaps(maps[0].contiguous(), maps[1].contiguous(), used)
+    return DriftMaps(maps[0].contiguous(), maps[1].contiguous(), used, tuple(offsets))
 
 
 def save(maps: DriftMaps, path: Path, fingerprint: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file({"keys": maps.keys, "values": maps.values}, str(tmp),
-              metadata={"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts)})
+              metadata={"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts),
+                        "offsets": ",".join(map(str, maps.offsets))})
     tmp.replace(path)
 
 
@@ -136,9 +173,14 @@ def load(path: Path, fingerprint: str, adapter) -> DriftMaps | None:
             keys, values = f.get_tensor("keys"), f.get_tensor("values")
     except Exception:  # noqa: BLE001 - any unreadable file counts as absent
         return None
-    shape = (adapter.num_layers, adapter.num_kv_heads, adapter.head_dim + 1, adapter.head_dim)
+    try:
+        offsets = tuple(int(o) for o in meta.get("offsets", "").split(","))
+    except ValueError:
+        return None
+    shape = (len(offsets), adapter.num_layers, adapter.num_kv_heads, adapter.head_dim + 1, adapter.head_dim)
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION)
+            or offsets[0] != 0 or list(offsets) != sorted(set(offsets))
             or tuple(keys.shape) != shape or tuple(values.shape) != shape
             or not (torch.isfinite(keys).all() and torch.isfinite(values).all())):
         return None
-    return DriftMaps(keys.float(), values.float(), int(meta.get("prompts", 0)))
+    return DriftMaps(keys.float(), values.float(), int(meta.get("prompts", 0)), offsets)

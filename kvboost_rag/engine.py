@@ -18,7 +18,7 @@ import itertools
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,8 +126,8 @@ class KVBoost:
         if self.drift_path is not None and self.drift_path.exists():
             self.drift = drift.load(self.drift_path, self.fingerprint, self.adapter)
             if self.drift is None:
-                warnings.warn(f"ignoring drift maps {self.drift_path}: not this model's, or damaged; refit them "
-                              "with fit_drift()", stacklevel=2)
+                warnings.warn(f"ignoring drift maps {self.drift_path}: not this model's, from an older kvboost-rag, "
+                              "or damaged; refit them with fit_drift()", stacklevel=2)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -253,9 +253,11 @@ class KVBoost:
                 raise ValueError(f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's "
                                  f"context window ({self.adapter.max_context}); shorten the prompt or retrieve "
                                  "fewer documents")
-            cache = assemble(p, self.adapter, n + max_new_tokens)
+            # cacheblend repairs the mapped K/V; queryaware ranks over the stored ones (relevance_last maps its own).
+            cache = assemble(p, self.adapter, n + max_new_tokens,
+                             drift=self._drift_maps(repair) if strategy == "cacheblend" else None)
             if strategy == "cacheblend":
-                blend = cacheblend_prefill(self.adapter, cache, p, repair, drift=self._drift_maps(repair))
+                blend = cacheblend_prefill(self.adapter, cache, p, repair)
                 hidden, recomputed = blend.hidden, blend.recomputed_tokens
             elif strategy == "queryaware" and repair.qa_order == "relevance_last":
                 p, cache, hidden, recomputed = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
@@ -296,10 +298,13 @@ class KVBoost:
         return self.drift if repair.drift else None
 
     def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
-                  seed: int = 0) -> drift.DriftMaps:
+                  seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None,
+                  offsets: tuple[int, ...] = (0,)) -> drift.DriftMaps:
         """Fit drift maps on this corpus (see `drift.py`) and use them from now on: `prompts` prompts of
-        `per_prompt` documents drawn from `texts` (ingested first), or from every ingested document. Costs
-        about one full prefill per prompt; saved next to the disk tier, where the next engine finds them."""
+        `per_prompt` documents drawn from `texts` (ingested first), or from every ingested document, each laid
+        out by `layout` (documents -> the application's prompt: its system text and template; the default is
+        the documents alone as one user message). Costs about one full prefill per prompt; saved next to the
+        disk tier, where the next engine finds them."""
         pool = list(texts) if texts is not None else self.documents.texts()
         if texts is not None:
             self.ingest(pool, progress=False)
@@ -307,7 +312,8 @@ class KVBoost:
             raise ValueError(f"fit_drift needs at least two ingested documents, got {len(pool)}: ingest the "
                              "corpus first")
         with self.lock:
-            maps = drift.fit(self, drift.calibration_prompts(self, pool, prompts, per_prompt, seed))
+            maps = drift.fit(self, drift.calibration_prompts(self, pool, prompts, per_prompt, seed,
+                                                             layout or drift.bare_layout), offsets)
             self.drift = maps
             if self.drift_path is not None:
                 drift.save(maps, self.drift_path, self.fingerprint)
@@ -336,11 +342,11 @@ class KVBoost:
         chunks = tokenize_segments(move_last(segments, chosen), self.tokenizer, self.config.chunking.max_chunk_tokens,
                                    self._bos_ids, self._special_ids)
         p = plan(chunks, self.fingerprint, self.store, True, True)
-        cache = assemble(p, self.adapter, p.num_tokens + max_new_tokens)
+        cache = assemble(p, self.adapter, p.num_tokens + max_new_tokens, drift=self._drift_maps(repair))
         k, spans = len(spans), document_spans(p)
         # The chosen documents, now the last ones, run every layer; the others get CacheBlend's repair.
         pinned = torch.cat([torch.arange(*spans[i]) for i in range(k - len(chosen), k)])
-        blend = cacheblend_prefill(self.adapter, cache, p, repair, pinned=pinned, drift=self._drift_maps(repair))
+        blend = cacheblend_prefill(self.adapter, cache, p, repair, pinned=pinned)
         return p, cache, blend.hidden, blend.recomputed_tokens
 
     def _write_back(self, p: Plan, cache: KVBuffers) -> None:

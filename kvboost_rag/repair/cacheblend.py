@@ -29,7 +29,6 @@ import torch
 from ..adapter import ModelAdapter
 from ..assembly import APPROX, COMPUTE, Plan
 from ..config import RepairConfig
-from ..drift import DriftMaps, correct
 from ..kvcache import KVBuffers
 
 SELECT_MODES = ("deviation", "random")
@@ -97,15 +96,13 @@ def layer_fractions(average: float, taper: float, layers: int) -> list[float]:
 
 
 def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig,
-                       pinned: torch.Tensor | None = None, drift: DriftMaps | None = None) -> BlendResult:
+                       pinned: torch.Tensor | None = None) -> BlendResult:
     """Prefill with progressive CacheBlend repair, writing the repaired K/V into `cache`.
 
     `pinned` [P]: reused positions to recompute through every layer like uncached ones (the documents
-    a query-aware pass chose), outside the `recompute_ratio` budget. `drift`: maps applied to the reused
-    K/V first (see drift.py), so that deviation is measured from, and unrepaired tokens keep, the mapped K/V."""
+    a query-aware pass chose), outside the `recompute_ratio` budget. Deviation is measured from the K/V as
+    assembled (mapped by drift.py's maps when the engine has them), which the unrepaired tokens keep."""
     check_select(config.select)  # before any work, even when no layer ends up choosing
-    if drift is not None:
-        correct(adapter, cache, plan.positions(APPROX), drift)
     n, num_layers = plan.num_tokens, adapter.num_layers
     always = plan.computed_positions()  # run every layer, with the pinned tokens
     if pinned is not None:

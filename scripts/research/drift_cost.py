@@ -1,7 +1,8 @@
 """Research harness (issue #6, round 4): what applying drift maps costs a request.
 
-Times `drift.correct` on the reused documents of item ITEM of DATA (median of 5), against the store's saved
-maps (fit them first: `kvboost-rag bench ... --store STORE --fit-drift 24`). Results: docs/quality.md.
+Times assembling item ITEM of DATA's prompt with and without the store's saved drift maps (median of 7,
+interleaved; fit them first: `kvboost-rag bench ... --store STORE --fit-drift 24`): the difference is what
+mapping the reused documents costs a request. Results: docs/quality.md.
 
     python scripts/research/drift_cost.py kvboost_rag/bench/synthetic_k8.jsonl 0 out/store_none
 """
@@ -18,7 +19,6 @@ from kvboost_rag.assembly import APPROX, assemble
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import render_prompt
 from kvboost_rag.config import StoreConfig
-from kvboost_rag.drift import correct
 
 
 def main() -> None:
@@ -29,16 +29,16 @@ def main() -> None:
     item = load_items(data)[index]
     engine.ingest(list(item.documents), progress=False)
     p = engine.plan(render_prompt(item), "naive")
-    reused = p.positions(APPROX)
-    seconds = []
+    seconds = {"stored": [], "mapped": []}
     with torch.inference_mode():
-        for _ in range(5):
-            cache = assemble(p, engine.adapter, p.num_tokens)
-            started = time.perf_counter()
-            correct(engine.adapter, cache, reused, engine.drift)
-            seconds.append(time.perf_counter() - started)
-    print(f"{reused.numel()} reused tokens, {engine.adapter.num_layers} layers: "
-          f"drift.correct {statistics.median(seconds) * 1e3:.1f} ms (median of 5)")
+        for _ in range(7):
+            for name, maps in (("stored", None), ("mapped", engine.drift)):
+                started = time.perf_counter()
+                assemble(p, engine.adapter, p.num_tokens, drift=maps)
+                seconds[name].append(time.perf_counter() - started)
+    stored, mapped = (statistics.median(seconds[name]) * 1e3 for name in ("stored", "mapped"))
+    print(f"{p.count(APPROX)} reused tokens, {engine.adapter.num_layers} layers: assembly {stored:.1f} ms, "
+          f"with drift maps {mapped:.1f} ms (+{mapped - stored:.1f} ms; medians of 7)")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,14 @@
   this round once maps are fitted): the reused K/V mapped by affine maps per layer and KV head, fitted from
   stale to true K/V. Fitted here, before the items, on 24 prompts of the tuning split's documents
   (synthetic_calib.jsonl items 0-23: the same generator as synthetic_k8, none of its documents), not saved.
+- `driftsys<r>`: as `drift<r>`, the maps fitted with the documents laid out as the bench lays them out (its
+  system text before them, `KVBoost.fit_drift(layout=...)`) instead of as one bare user message.
+- `driftoff<r>`: as `drift<r>`, one map per bucket of the token's offset in its document (0, 1-3, 4-15,
+  16-63, 64+): a document encoded alone gave its first tokens' attention to its own first token, so they
+  drift most and unlike the rest. `driftcoarse<r>`: two buckets (0-15, 16+).
+- `driftmore<r>`: as `drift<r>`, fitted on 48 prompts instead of 24.
 - `r<x>`: cacheblend at recompute_ratio x without drift correction (the previous default; the reference curve).
-  Every variant but `drift<r>` runs without drift correction.
+  Every variant but the `drift...` ones runs without drift correction.
 
 For items START..END of DATA: continuation KL (16 teacher-forced tokens of full's greedy output), first-token
 KL, accuracy of a 32-token greedy answer, recompute fraction and TTFT. The variants patch the library's
@@ -64,13 +70,13 @@ def by_mass(mass: float):
 
 def with_temperature(temperature: float):
     """cacheblend_prefill over a cache whose reused keys are divided by T after the check layer."""
-    def blend(adapter, cache, plan, config, pinned=None, drift=None):
+    def blend(adapter, cache, plan, config, pinned=None):
         reused = plan.positions(APPROX)
         for layer in range(config.check_layer + 1, adapter.num_layers):
             cache.keys[layer][:, :, reused] /= temperature
         cacheblend.kv_deviation = lambda fresh, stale: DEVIATION(fresh, (stale[0] * temperature, stale[1]))
         try:
-            return BLEND(adapter, cache, plan, config, pinned, drift)
+            return BLEND(adapter, cache, plan, config, pinned)
         finally:
             cacheblend.kv_deviation = DEVIATION
     return blend
@@ -78,22 +84,22 @@ def with_temperature(temperature: float):
 
 def pinning_answer_document(engine: KVBoost):
     """cacheblend_prefill with the document the retrieval heads pick run through every layer."""
-    def blend(adapter, cache, plan, config, pinned=None, drift=None):
+    def blend(adapter, cache, plan, config, pinned=None):
         heads = list(engine._retrieval_heads(config).heads[:max(config.qa_heads, 1)])
         spans = document_spans(plan, APPROX)
         scores, _, _ = rank_documents(adapter, cache, plan, spans, heads, template_suffix_tokens(engine))
         chosen = top_documents(scores, config.qa_docs)
         pinned = torch.cat([torch.arange(*spans[i]) for i in chosen])
-        return BLEND(adapter, cache, plan, config, pinned, drift)
+        return BLEND(adapter, cache, plan, config, pinned)
     return blend
 
 
 def pinning_chunk_starts(count: int):
     """cacheblend_prefill with the first `count` tokens of every reused chunk (their own attention sinks when
     encoded alone) run through every layer."""
-    def blend(adapter, cache, plan, config, pinned=None, drift=None):
+    def blend(adapter, cache, plan, config, pinned=None):
         starts = [torch.arange(c.start, min(c.start + count, c.end)) for c in plan.chunks if c.source == APPROX]
-        return BLEND(adapter, cache, plan, config, torch.cat(starts) if starts else None, drift)
+        return BLEND(adapter, cache, plan, config, torch.cat(starts) if starts else None)
     return blend
 
 
@@ -114,7 +120,9 @@ def variant(name: str, engine: KVBoost):
             engine_module.cacheblend_prefill = pinning_chunk_starts(int(name[4:]))
             yield "cacheblend", BASE
         elif name.startswith("drift"):
-            yield "cacheblend", RepairConfig(recompute_ratio=float(name[5:]))
+            fitted = name.rstrip("0123456789.")
+            engine.drift = engine.maps[fitted]
+            yield "cacheblend", RepairConfig(recompute_ratio=float(name[len(fitted):]))
         elif name.startswith("pin"):
             engine_module.cacheblend_prefill = pinning_answer_document(engine)
             yield "cacheblend", replace(BASE, recompute_ratio=float(name[3:]))
@@ -130,9 +138,15 @@ def main() -> None:
     start, end, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     data, store, names = sys.argv[4], sys.argv[5], sys.argv[6].split(",")
     engine = KVBoost.from_pretrained(config=EngineConfig(store=StoreConfig(disk_dir=Path(store))))
-    if any(name.startswith("drift") for name in names):
-        engine.drift_path = None  # keep the store's own maps, if any, on disk
-        engine.fit_drift([d for item in load_items(CALIB_DATA)[:24] for d in item.documents], prompts=24)
+    engine.drift_path, engine.maps = None, {}  # keep the store's own maps, if any, on disk
+    calib = load_items(CALIB_DATA)[:24]
+    pool = [d for item in calib for d in item.documents]
+    system = [{"role": "system", "content": calib[0].system}]
+    fits = {"drift": {}, "driftoff": {"offsets": (0, 1, 4, 16, 64)}, "driftcoarse": {"offsets": (0, 16)},
+            "driftmore": {"prompts": 48},
+            "driftsys": {"layout": lambda docs: system + [{"role": "user", "content": "\n\n".join(docs)}]}}
+    for fitted in {name.rstrip("0123456789.") for name in names if name.startswith("drift")}:
+        engine.maps[fitted] = engine.fit_drift(pool, **{"prompts": 24, **fits[fitted]})
     tokens, answer_tokens = 16, 32
     rows = []
     for item in load_items(data)[start:end]:
