@@ -27,28 +27,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-VERSION = 2  # 2: maps per bucket of document offsets
+VERSION = 1
 RIDGE = 1e-2  # keeps the normal equations well posed for channels that barely vary
 
 
 @dataclass(frozen=True)
 class DriftMaps:
-    keys: torch.Tensor  # [B, L, H_kv, D + 1, D] fp32: unrotated stale key (and a 1) -> unrotated true key
-    values: torch.Tensor  # [B, L, H_kv, D + 1, D] fp32
+    keys: torch.Tensor  # [L, H_kv, D + 1, D] fp32: unrotated stale key (and a 1) -> unrotated true key
+    values: torch.Tensor  # [L, H_kv, D + 1, D] fp32
     prompts: int  # calibration prompts fitted on
-    offsets: tuple[int, ...] = (0,)  # bucket b maps the tokens at document offsets [offsets[b], offsets[b + 1])
-
-
-def _buckets(offsets: tuple[int, ...], first: int, count: int) -> list[tuple[int, int, int]]:
-    """(bucket, i, j): tokens i .. j - 1 of a chunk whose first token sits at document offset `first`."""
-    bounds = [*offsets[1:], first + count]
-    spans, start = [], 0
-    for b, end in enumerate(bounds):
-        end = min(max(end - first, 0), count)
-        if end > start:
-            spans.append((b, start, end))
-            start = end
-    return spans
 
 
 def _affine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -81,16 +68,10 @@ def place(adapter, cache, entry, start: int, maps: DriftMaps) -> None:
     cached_values = cache.all_values[:, 0, :, start:start + count]
     cached_keys[0] = adapter.rotate_keys(keys[:1], start - entry.start)[0]
     cached_values[0] = values[0]
-    unrotated = _unrotate(adapter, keys[1:].float(), *_frame(adapter, entry.start, count))
-    mapped = torch.empty_like(unrotated)
-    mapped_values = torch.empty_like(mapped)
-    for b, i, j in _buckets(maps.offsets, entry.start, count):
-        mapped[:, :, i:j] = _affine(unrotated[:, :, i:j].flatten(0, 1), maps.keys[b, 1:].flatten(0, 1)).view(
-            layers - 1, heads, j - i, dim)
-        mapped_values[:, :, i:j] = _affine(values[1:, :, i:j].flatten(0, 1), maps.values[b, 1:].flatten(0, 1)).view(
-            layers - 1, heads, j - i, dim)
+    unrotated = _unrotate(adapter, keys[1:].float(), *_frame(adapter, entry.start, count)).flatten(0, 1)
+    mapped = _affine(unrotated, maps.keys[1:].flatten(0, 1)).view(layers - 1, heads, count, dim)
     cached_keys[1:] = _rotate(adapter, mapped, *_frame(adapter, start, count))
-    cached_values[1:] = mapped_values
+    cached_values[1:] = _affine(values[1:].flatten(0, 1), maps.values[1:].flatten(0, 1)).view_as(mapped)
 
 
 def bare_layout(documents: list[str]) -> list[dict]:
@@ -119,15 +100,15 @@ def calibration_prompts(engine, texts: Sequence[str], count: int, per_prompt: in
 
 
 @torch.inference_mode()
-def fit(engine, prompts: Sequence, offsets: tuple[int, ...] = (0,)) -> DriftMaps:
+def fit(engine, prompts: Sequence) -> DriftMaps:
     """Ridge-fit the maps on `prompts` (whose documents the engine has ingested): each prompt's stored
     documents (stale) against the model's own forward over the whole prompt (true), keys unrotated."""
     from .assembly import APPROX  # assembly imports this module to place the mapped chunks
 
     adapter = engine.adapter
     d = adapter.head_dim
-    shape = (2, len(offsets), adapter.num_layers, adapter.num_kv_heads)
-    xtx = torch.zeros(*shape, d + 1, d + 1, dtype=torch.float64)  # normal equations, K then V, per bucket
+    shape = (2, adapter.num_layers, adapter.num_kv_heads)
+    xtx = torch.zeros(*shape, d + 1, d + 1, dtype=torch.float64)  # normal equations, K then V
     xty = torch.zeros(*shape, d + 1, d, dtype=torch.float64)
     used = 0
     for prompt in tqdm(prompts, desc="fitting drift maps", unit="prompt", disable=None):
@@ -136,31 +117,31 @@ def fit(engine, prompts: Sequence, offsets: tuple[int, ...] = (0,)) -> DriftMaps
         if not reused or p.num_tokens > adapter.max_context:
             continue
         true_keys, true_values = adapter.reference_kv(p.token_ids)  # [L, H_kv, N, D]
+        stale_keys, stale_values, keys, values = [], [], [], []
         for c in reused:
             count = len(c.token_ids)
-            stale_keys = _unrotate(adapter, c.entry.keys.float(), *_frame(adapter, c.entry.start, count))
-            keys = _unrotate(adapter, true_keys[:, :, c.start:c.end].float(), *_frame(adapter, c.start, count))
-            pairs = ((stale_keys, keys), (c.entry.values, true_values[:, :, c.start:c.end]))
-            for b, i, j in _buckets(offsets, c.entry.start, count):
-                for which, (x, y) in enumerate(pairs):
-                    x = x[:, :, i:j].double()  # [L, H_kv, P, D]
-                    x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-                    xtx[which, b] += x.transpose(-1, -2) @ x
-                    xty[which, b] += x.transpose(-1, -2) @ y[:, :, i:j].double()
+            stale_keys.append(_unrotate(adapter, c.entry.keys.float(), *_frame(adapter, c.entry.start, count)))
+            stale_values.append(c.entry.values)
+            keys.append(_unrotate(adapter, true_keys[:, :, c.start:c.end].float(), *_frame(adapter, c.start, count)))
+            values.append(true_values[:, :, c.start:c.end])
+        for which, (x, y) in enumerate(((stale_keys, keys), (stale_values, values))):
+            x = torch.cat(x, 2).double()  # [L, H_kv, P, D]
+            x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+            xtx[which] += x.transpose(-1, -2) @ x
+            xty[which] += x.transpose(-1, -2) @ torch.cat(y, 2).double()
         used += 1
     if used == 0:
         raise ValueError("no calibration prompt had stored documents within the context window: ingest the "
                          "documents first (fit_drift needs at least two)")
     maps = torch.linalg.solve(xtx + RIDGE * torch.eye(d + 1, dtype=torch.float64), xty).float()
-    return DriftMaps(maps[0].contiguous(), maps[1].contiguous(), used, tuple(offsets))
+    return DriftMaps(maps[0].contiguous(), maps[1].contiguous(), used)
 
 
 def save(maps: DriftMaps, path: Path, fingerprint: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file({"keys": maps.keys, "values": maps.values}, str(tmp),
-              metadata={"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts),
-                        "offsets": ",".join(map(str, maps.offsets))})
+              metadata={"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts)})
     tmp.replace(path)
 
 
@@ -173,14 +154,9 @@ def load(path: Path, fingerprint: str, adapter) -> DriftMaps | None:
             keys, values = f.get_tensor("keys"), f.get_tensor("values")
     except Exception:  # noqa: BLE001 - any unreadable file counts as absent
         return None
-    try:
-        offsets = tuple(int(o) for o in meta.get("offsets", "").split(","))
-    except ValueError:
-        return None
-    shape = (len(offsets), adapter.num_layers, adapter.num_kv_heads, adapter.head_dim + 1, adapter.head_dim)
+    shape = (adapter.num_layers, adapter.num_kv_heads, adapter.head_dim + 1, adapter.head_dim)
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION)
-            or offsets[0] != 0 or list(offsets) != sorted(set(offsets))
             or tuple(keys.shape) != shape or tuple(values.shape) != shape
             or not (torch.isfinite(keys).all() and torch.isfinite(values).all())):
         return None
-    return DriftMaps(keys.float(), values.float(), int(meta.get("prompts", 0)), offsets)
+    return DriftMaps(keys.float(), values.float(), int(meta.get("prompts", 0)))

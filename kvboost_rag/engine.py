@@ -298,8 +298,7 @@ class KVBoost:
         return self.drift if repair.drift else None
 
     def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
-                  seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None,
-                  offsets: tuple[int, ...] = (0,)) -> drift.DriftMaps:
+                  seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None) -> drift.DriftMaps:
         """Fit drift maps on this corpus (see `drift.py`) and use them from now on: `prompts` prompts of
         `per_prompt` documents drawn from `texts` (ingested first), or from every ingested document, each laid
         out by `layout` (documents -> the application's prompt: its system text and template; the default is
@@ -313,7 +312,7 @@ class KVBoost:
                              "corpus first")
         with self.lock:
             maps = drift.fit(self, drift.calibration_prompts(self, pool, prompts, per_prompt, seed,
-                                                             layout or drift.bare_layout), offsets)
+                                                             layout or drift.bare_layout))
             self.drift = maps
             if self.drift_path is not None:
                 drift.save(maps, self.drift_path, self.fingerprint)

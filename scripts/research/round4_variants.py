@@ -15,9 +15,8 @@
   (synthetic_calib.jsonl items 0-23: the same generator as synthetic_k8, none of its documents), not saved.
 - `driftsys<r>`: as `drift<r>`, the maps fitted with the documents laid out as the bench lays them out (its
   system text before them, `KVBoost.fit_drift(layout=...)`) instead of as one bare user message.
-- `driftoff<r>`: as `drift<r>`, one map per bucket of the token's offset in its document (0, 1-3, 4-15,
-  16-63, 64+): a document encoded alone gave its first tokens' attention to its own first token, so they
-  drift most and unlike the rest. `driftcoarse<r>`: two buckets (0-15, 16+).
+- `driftoff<r>`, `driftcoarse<r>` (measured at c1a4385, removed since): one map per bucket of the token's
+  offset in its document (0, 1-3, 4-15, 16-63, 64+; or 0-15, 16+).
 - `driftmore<r>`: as `drift<r>`, fitted on 48 prompts instead of 24.
 - `r<x>`: cacheblend at recompute_ratio x without drift correction (the previous default; the reference curve).
   Every variant but the `drift...` ones runs without drift correction.
@@ -142,8 +141,7 @@ def main() -> None:
     calib = load_items(CALIB_DATA)[:24]
     pool = [d for item in calib for d in item.documents]
     system = [{"role": "system", "content": calib[0].system}]
-    fits = {"drift": {}, "driftoff": {"offsets": (0, 1, 4, 16, 64)}, "driftcoarse": {"offsets": (0, 16)},
-            "driftmore": {"prompts": 48},
+    fits = {"drift": {}, "driftmore": {"prompts": 48},
             "driftsys": {"layout": lambda docs: system + [{"role": "user", "content": "\n\n".join(docs)}]}}
     for fitted in {name.rstrip("0123456789.") for name in names if name.startswith("drift")}:
         engine.maps[fitted] = engine.fit_drift(pool, **{"prompts": 24, **fits[fitted]})

@@ -16,7 +16,7 @@ from kvboost_rag.drift import DriftMaps, calibration_prompts, fit
 def affine_maps(adapter, scale: float = 1.0, bias: float = 0.0) -> DriftMaps:
     d = adapter.head_dim
     w = torch.cat([scale * torch.eye(d), torch.full((1, d), bias)])  # [D + 1, D]: x @ scale * I + bias
-    w = w.expand(1, adapter.num_layers, adapter.num_kv_heads, d + 1, d).clone()
+    w = w.expand(adapter.num_layers, adapter.num_kv_heads, d + 1, d).clone()
     return DriftMaps(w, w.clone(), 1)
 
 
@@ -61,33 +61,12 @@ def test_maps_act_on_reused_positions_in_the_unrotated_frame(make_tiny_engine, d
         assert torch.equal(cache.values[layer][0, :, other], before[1][layer][:, other])
 
 
-def test_each_offset_bucket_maps_its_own_tokens(make_tiny_engine, docs, rag_prompt):
-    engine = make_tiny_engine()
-    engine.ingest(docs)
-    prompt = rag_prompt(docs[::-1], "Who founded the company?")
-    p, before = naive_cache(engine, prompt)
-    identity, shifted = affine_maps(engine.adapter), affine_maps(engine.adapter, bias=0.5)
-    maps = DriftMaps(torch.cat([identity.keys, shifted.keys]), torch.cat([identity.values, shifted.values]), 1,
-                     offsets=(0, 3))  # the first three tokens of every document left alone, the rest shifted
-    _, cache = naive_cache(engine, prompt, maps)
-    offset = torch.full((p.num_tokens,), -1)
-    for c in p.chunks:
-        if c.source == APPROX:
-            offset[c.start:c.end] = torch.arange(c.entry.start, c.entry.start + len(c.token_ids))
-    head, rest = (offset >= 0) & (offset < 3), offset >= 3
-    assert head.sum() > 0 and rest.sum() > 0
-    for layer in range(1, engine.adapter.num_layers):
-        delta = cache.values[layer][0, :, :p.num_tokens] - before.values[layer][0, :, :p.num_tokens]
-        torch.testing.assert_close(delta[:, head], torch.zeros_like(delta[:, head]))
-        torch.testing.assert_close(delta[:, rest], torch.full_like(delta[:, rest], 0.5), atol=1e-5, rtol=0)
-
-
 def test_fitted_maps_bring_stale_kv_closer_to_the_truth(make_tiny_engine, docs):
     engine = make_tiny_engine()
     engine.ingest(docs)
     prompts = calibration_prompts(engine, docs, count=3, per_prompt=4)
-    maps = fit(engine, prompts, offsets=(0, 4))
-    assert maps.prompts == 3 and maps.keys.shape[0] == 2
+    maps = fit(engine, prompts)
+    assert maps.prompts == 3
     for prompt in prompts:
         p, cache = naive_cache(engine, prompt)
         reused = p.positions(APPROX)
@@ -134,11 +113,11 @@ def test_saved_maps_are_found_by_the_next_engine_and_a_foreign_old_or_damaged_fi
         make_tiny_engine, docs, rag_prompt, tmp_path):
     config = EngineConfig(store=StoreConfig(disk_dir=tmp_path))
     first = make_tiny_engine(config)
-    first.fit_drift(docs, prompts=3, per_prompt=4, offsets=(0, 2))
+    first.fit_drift(docs, prompts=3, per_prompt=4)
     assert first.drift_path.exists()
     prompt = rag_prompt(docs[::-1], "Who founded the company?")
     second = make_tiny_engine(config)
-    assert torch.equal(second.drift.keys, first.drift.keys) and second.drift.offsets == (0, 2)
+    assert torch.equal(second.drift.keys, first.drift.keys)
     assert torch.equal(second.prefill(prompt, "cacheblend", write_back=False).logits,
                        first.prefill(prompt, "cacheblend", write_back=False).logits)
     other = make_tiny_engine(config, seed=1)  # another model: its own file name; a copy of ours is refused
@@ -146,10 +125,10 @@ def test_saved_maps_are_found_by_the_next_engine_and_a_foreign_old_or_damaged_fi
     other.drift_path.write_bytes(first.drift_path.read_bytes())
     with pytest.warns(UserWarning, match="not this model's, from an older kvboost-rag, or damaged"):
         assert make_tiny_engine(config, seed=1).drift is None
-    old = dict(safe_open(str(first.drift_path), framework="pt").metadata(), version="1")
-    save_file({"keys": first.drift.keys[0], "values": first.drift.values[0]}, str(first.drift_path), metadata=old)
+    old = dict(safe_open(str(first.drift_path), framework="pt").metadata(), version="0")
+    save_file({"keys": first.drift.keys, "values": first.drift.values}, str(first.drift_path), metadata=old)
     with pytest.warns(UserWarning, match="from an older kvboost-rag"):
-        assert make_tiny_engine(config).drift is None  # version 1: one map, no offset buckets
+        assert make_tiny_engine(config).drift is None
     first.drift_path.write_bytes(b"not a safetensors file")
     with pytest.warns(UserWarning, match="refit them"):
         damaged = make_tiny_engine(config)
