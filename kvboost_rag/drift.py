@@ -61,7 +61,7 @@ def place(adapter, cache, entry, start: int, maps: DriftMaps) -> None:
     """Write a stored chunk's K/V into `cache` at `start`, mapped (layer 0's K/V do not depend on context: only
     moved). Done per chunk while the prompt is assembled, all mapped layers in one batched product over
     contiguous memory, written straight into the cache: gathering the reused positions from the assembled
-    cache afterwards, layer by layer, cost twice as much."""
+    cache afterwards, layer by layer, cost 2.6 times as much (docs/quality.md, round 5)."""
     keys, values = entry.keys, entry.values  # [L, H_kv, S, D]
     layers, heads, count, dim = keys.shape
     cached_keys = cache.all_keys[:, 0, :, start:start + count]  # views: [L, H_kv, S, D]

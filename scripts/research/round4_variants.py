@@ -18,6 +18,8 @@
 - `driftoff<r>`, `driftcoarse<r>` (measured at c1a4385, removed since): one map per bucket of the token's
   offset in its document (0, 1-3, 4-15, 16-63, 64+; or 0-15, 16+).
 - `driftmore<r>`: as `drift<r>`, fitted on 48 prompts instead of 24.
+- `cacheblend:<setting>=<value>+...`: the bench's strategy syntax, with the `drift` maps (e.g.
+  `cacheblend:taper=4`: the schedule retuned now that the maps take out the shared drift).
 - `r<x>`: cacheblend at recompute_ratio x without drift correction (the previous default; the reference curve).
   Every variant but the `drift...` ones runs without drift correction.
 
@@ -44,7 +46,7 @@ from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag import engine as engine_module
 from kvboost_rag.assembly import APPROX
 from kvboost_rag.bench.data import load_items
-from kvboost_rag.bench.run import continued_logits, correct, kl, render_prompt
+from kvboost_rag.bench.run import continued_logits, correct, kl, parse_strategies, render_prompt
 from kvboost_rag.calibration import CALIB_DATA, document_spans, template_suffix_tokens
 from kvboost_rag.config import StoreConfig
 from kvboost_rag.generation import SamplingParams
@@ -108,6 +110,11 @@ def variant(name: str, engine: KVBoost):
     if name in ("naive", "full"):
         yield name, None
         return
+    if ":" in name:
+        engine.drift = engine.maps["drift"]
+        spec = next(s for s in parse_strategies(name, RepairConfig()) if s.label == name)
+        yield spec.strategy, spec.repair
+        return
     try:
         if name.startswith("mass"):
             cacheblend.choose = by_mass(float(name[4:]))
@@ -143,7 +150,8 @@ def main() -> None:
     system = [{"role": "system", "content": calib[0].system}]
     fits = {"drift": {}, "driftmore": {"prompts": 48},
             "driftsys": {"layout": lambda docs: system + [{"role": "user", "content": "\n\n".join(docs)}]}}
-    for fitted in {name.rstrip("0123456789.") for name in names if name.startswith("drift")}:
+    fitted_names = {name.rstrip("0123456789.") for name in names if name.startswith("drift")}
+    for fitted in fitted_names | ({"drift"} if any(":" in name for name in names) else set()):
         engine.maps[fitted] = engine.fit_drift(pool, **{"prompts": 24, **fits[fitted]})
     tokens, answer_tokens = 16, 32
     rows = []

@@ -89,6 +89,15 @@ def test_calibration_prompts_fit_the_context_window(make_tiny_engine, docs):
         assert engine.plan(prompt, "full").num_tokens <= 160
     assert len({m[0]["content"] for m in prompts}) > 1  # drawn at random, not one fixed prompt
 
+    def layout(documents):  # the application's own text before the documents
+        return [{"role": "system", "content": "Answer from the documents."},
+                {"role": "user", "content": "Documents:\n" + "\n\n".join(documents)}]
+
+    laid_out = calibration_prompts(engine, docs, count=4, per_prompt=len(docs), seed=1, layout=layout)
+    for prompt in laid_out:
+        assert prompt[0]["role"] == "system" and prompt[1]["content"].startswith("Documents:\n")
+        assert engine.plan(prompt, "full").num_tokens <= 160
+
 
 def test_maps_apply_only_when_fitted_and_asked_for(make_tiny_engine, docs, rag_prompt):
     engine = make_tiny_engine()
