@@ -64,8 +64,7 @@ def place(adapter, cache, entry, start: int, maps: DriftMaps) -> None:
     cache afterwards, layer by layer, cost 2.6 times as much (docs/quality.md, round 5)."""
     keys, values = entry.keys, entry.values  # [L, H_kv, S, D]
     layers, heads, count, dim = keys.shape
-    cached_keys = cache.all_keys[:, 0, :, start:start + count]  # views: [L, H_kv, S, D]
-    cached_values = cache.all_values[:, 0, :, start:start + count]
+    cached_keys, cached_values = cache.span(start, start + count)  # views: [L, H_kv, S, D]
     cached_keys[0] = adapter.rotate_keys(keys[:1], start - entry.start)[0]
     cached_values[0] = values[0]
     unrotated = _unrotate(adapter, keys[1:].float(), *_frame(adapter, entry.start, count)).flatten(0, 1)

@@ -33,11 +33,14 @@ class KVBuffers:
     def num_layers(self) -> int:
         return len(self.keys)
 
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers' K/V for positions start .. end - 1: [L, H_kv, S, D] each (views, to write into)."""
+        return self.all_keys[:, 0, :, start:end], self.all_values[:, 0, :, start:end]
+
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """All layers at once. keys, values: [L, H_kv, S, D] placed at start .. start + S - 1."""
-        n = keys.shape[-2]
-        self.all_keys[:, 0, :, start:start + n] = keys
-        self.all_values[:, 0, :, start:start + n] = values
+        cached_keys, cached_values = self.span(start, start + keys.shape[-2])
+        cached_keys[:], cached_values[:] = keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """The call transformers' attention makes. key_states, value_states: [1, H_kv, Q, D]."""
@@ -54,7 +57,7 @@ class KVBuffers:
 
     def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All layers' K/V for positions start .. end - 1: [L, H_kv, S, D] each (copies)."""
-        return self.all_keys[:, 0, :, start:end].clone(), self.all_values[:, 0, :, start:end].clone()
+        return tuple(t.clone() for t in self.span(start, end))
 
     @property
     def nbytes(self) -> int:

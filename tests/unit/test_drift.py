@@ -134,7 +134,8 @@ def test_saved_maps_are_found_by_the_next_engine_and_a_foreign_old_or_damaged_fi
     other.drift_path.write_bytes(first.drift_path.read_bytes())
     with pytest.warns(UserWarning, match="not this model's, from an older kvboost-rag, or damaged"):
         assert make_tiny_engine(config, seed=1).drift is None
-    old = dict(safe_open(str(first.drift_path), framework="pt").metadata(), version="0")
+    with safe_open(str(first.drift_path), framework="pt") as f:
+        old = dict(f.metadata(), version="0")
     save_file({"keys": first.drift.keys, "values": first.drift.values}, str(first.drift_path), metadata=old)
     with pytest.warns(UserWarning, match="from an older kvboost-rag"):
         assert make_tiny_engine(config).drift is None
