@@ -70,7 +70,8 @@ class ModelAdapter:
         self.rope_type = _rope_type(config)
         self.rope_composes = self.rope_type in COMPOSABLE_ROPE and getattr(
             self.inner.rotary_emb, "attention_scaling", 1.0) == 1.0
-        self._rotate_half = sys.modules[type(self.layers[0]).__module__].rotate_half
+        # The model's own RoPE half-rotation (x1, x2 -> -x2, x1): RoPE(x) = x * cos + rotate_half(x) * sin.
+        self.rotate_half = sys.modules[type(self.layers[0]).__module__].rotate_half
         params = inspect.signature(type(self.layers[0]).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
@@ -104,7 +105,7 @@ class ModelAdapter:
         probe = torch.empty(0, dtype=torch.float32, device=keys.device)
         cos, sin = self.rope(torch.tensor([delta]), probe)  # [1, 1, D], fp32
         keys32 = keys.float()
-        return (keys32 * cos[0] + self._rotate_half(keys32) * sin[0]).to(keys.dtype)
+        return (keys32 * cos[0] + self.rotate_half(keys32) * sin[0]).to(keys.dtype)
 
     def causal_mask(self, positions: torch.Tensor, attend_len: int, dtype: torch.dtype) -> torch.Tensor:
         """Each query (at `positions` [Q]) sees the cache up to its own position: [1, 1, Q, attend_len].
@@ -161,7 +162,7 @@ class ModelAdapter:
         keys, values = keys.transpose(1, 2), attn.v_proj(normed).view(shape).transpose(1, 2)
         cos, sin = self.rope(positions, hidden)
         cos, sin = cos[:, None], sin[:, None]
-        return keys * cos + self._rotate_half(keys) * sin, values
+        return keys * cos + self.rotate_half(keys) * sin, values
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [1, S, H] -> logits: [S, V] in fp32."""
@@ -196,7 +197,7 @@ class ModelAdapter:
         q = q.transpose(1, 2).float()
         cos, sin = self.rope(positions, hidden)
         cos, sin = cos.float()[:, None], sin.float()[:, None]
-        return q * cos + self._rotate_half(q) * sin
+        return q * cos + self.rotate_half(q) * sin
 
     def run_layers_probed(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers,
                           layers: range, attend_len: int, probe_layers: set[int] | list[int],

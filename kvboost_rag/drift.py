@@ -49,12 +49,14 @@ def _frame(adapter, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]
     return cos[0], sin[0]
 
 
+# RoPE at per-token positions (the adapter's rotate_keys moves every token by one shift), fused with addcmul:
+# these run over every reused token of a request.
 def _unrotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(keys * cos, adapter._rotate_half(keys), sin, value=-1)  # RoPE's inverse: angle -> -angle
+    return torch.addcmul(keys * cos, adapter.rotate_half(keys), sin, value=-1)  # RoPE's inverse: angle -> -angle
 
 
 def _rotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(keys * cos, adapter._rotate_half(keys), sin)
+    return torch.addcmul(keys * cos, adapter.rotate_half(keys), sin)
 
 
 def place(adapter, cache, entry, start: int, maps: DriftMaps) -> None:

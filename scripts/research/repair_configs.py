@@ -11,18 +11,16 @@ run (the shipped measure is the squared L2 of K plus V), the "shape" ones `cache
 """
 
 import dataclasses
-import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+from scoring import full_reference, score, summarize
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag.bench.data import load_items
-from kvboost_rag.bench.run import continued_logits, kl, render_prompt
+from kvboost_rag.bench.run import render_prompt
 from kvboost_rag.config import StoreConfig
-from kvboost_rag.generation import SamplingParams
 from kvboost_rag.repair import cacheblend
 
 SHIPPED = cacheblend.kv_deviation
@@ -97,13 +95,7 @@ def main() -> None:
         engine.ingest(list(item.documents), progress=False)
         prompt = render_prompt(item)
         with torch.inference_mode():
-            full = engine.prefill(prompt, "full", max_new_tokens=tokens, write_back=False)
-            greedy = list(list(engine.stream_from(full, SamplingParams(tokens)))[-1].result.token_ids)
-
-            def distributions(pre, greedy=greedy):
-                return continued_logits(engine, pre, pre.logits[None], greedy)
-
-            reference = distributions(engine.prefill(prompt, "full", max_new_tokens=tokens, write_back=False))
+            reference, distributions = full_reference(engine, prompt, tokens, room=tokens)
             row = {"id": item.id}
             for name in names:
                 if VARIANTS[name] is None:
@@ -117,18 +109,10 @@ def main() -> None:
                                              repair=repair)
                     finally:
                         cacheblend.kv_deviation, cacheblend.layer_fractions = SHIPPED, SCHEDULE
-                per_token = kl(reference, distributions(pre)[: len(reference)])
-                row[name] = {"first": float(per_token[0]), "cont": float(per_token.mean()),
-                             "rec": pre.recomputed_tokens / pre.prompt_tokens, "ms": pre.ttft_ms}
+                row[name] = score(reference, distributions, pre)
         rows.append(row)
         print(item.id, {name: round(row[name]["cont"], 3) for name in names}, flush=True)
-    summary = {name: {k: statistics.fmean(r[name][k] for r in rows) for k in ("first", "cont", "rec", "ms")}
-               for name in names}
-    for name, s in summary.items():
-        ratio = s["cont"] / summary["naive"]["cont"] if "naive" in summary else float("nan")
-        print(f"{name:10s} cont {s['cont']:.4f} ({ratio:.2f} naive) first {s['first']:.4f} rec {s['rec']:.3f} "
-              f"ms {s['ms']:.0f}")
-    Path(out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    summarize(rows, names, ("first", "cont", "rec", "ms"), out)
 
 
 if __name__ == "__main__":

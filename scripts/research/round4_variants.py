@@ -34,19 +34,18 @@ module functions for their run only. Results: docs/quality.md.
 """
 
 import contextlib
-import json
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from scoring import full_reference, score, summarize
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag import engine as engine_module
 from kvboost_rag.assembly import APPROX
 from kvboost_rag.bench.data import load_items
-from kvboost_rag.bench.run import continued_logits, correct, kl, parse_strategies, render_prompt
+from kvboost_rag.bench.run import correct, parse_strategies, render_prompt
 from kvboost_rag.calibration import CALIB_DATA, document_spans, template_suffix_tokens
 from kvboost_rag.config import StoreConfig
 from kvboost_rag.generation import SamplingParams
@@ -159,13 +158,7 @@ def main() -> None:
         engine.ingest(list(item.documents), progress=False)
         prompt = render_prompt(item)
         with torch.inference_mode():
-            full = engine.prefill(prompt, "full", max_new_tokens=answer_tokens, write_back=False)
-            greedy = list(list(engine.stream_from(full, SamplingParams(tokens)))[-1].result.token_ids)
-
-            def distributions(pre, greedy=greedy):
-                return continued_logits(engine, pre, pre.logits[None], greedy)
-
-            reference = distributions(engine.prefill(prompt, "full", max_new_tokens=tokens, write_back=False))
+            reference, distributions = full_reference(engine, prompt, tokens, room=answer_tokens)
             row = {"id": item.id}
             for name in names:
                 with variant(name, engine) as (strategy, repair):
@@ -173,19 +166,10 @@ def main() -> None:
                                          repair=repair)
                 # Decoding and teacher forcing both write from the prompt's end on; each step sees only its past.
                 text = list(engine.stream_from(pre, SamplingParams(answer_tokens)))[-1].result.text
-                per_token = kl(reference, distributions(pre)[: len(reference)])
-                row[name] = {"first": float(per_token[0]), "cont": float(per_token.mean()),
-                             "rec": pre.recomputed_tokens / pre.prompt_tokens, "ms": pre.ttft_ms,
-                             "acc": correct(text, item.answers)}
+                row[name] = {**score(reference, distributions, pre), "acc": correct(text, item.answers)}
         rows.append(row)
         print(item.id, {name: (round(row[name]["cont"], 3), int(row[name]["acc"])) for name in names}, flush=True)
-    summary = {name: {k: statistics.fmean(r[name][k] for r in rows) for k in ("first", "cont", "rec", "ms", "acc")}
-               for name in names}
-    for name, s in summary.items():
-        ratio = s["cont"] / summary["naive"]["cont"] if "naive" in summary else float("nan")
-        print(f"{name:10s} cont {s['cont']:.4f} ({ratio:.2f} naive) first {s['first']:.4f} acc {s['acc']:.3f} "
-              f"rec {s['rec']:.3f} ms {s['ms']:.0f}")
-    Path(out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    summarize(rows, names, ("first", "cont", "rec", "ms", "acc"), out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def naive_cache(engine, prompt, drift=None):
 
 def unrotated(adapter, keys, positions):
     cos, sin = (t[0] for t in adapter.rope(positions, keys))
-    return keys * cos - adapter._rotate_half(keys) * sin
+    return keys * cos - adapter.rotate_half(keys) * sin
 
 
 def test_maps_act_on_reused_positions_in_the_unrotated_frame(make_tiny_engine, docs, rag_prompt):

@@ -103,8 +103,9 @@ class ChatKVBoost(BaseChatModel):
     question needs move after the others: a rewritten prompt, which the bundled model answers better
     than the original; see docs/quality.md); None = the engine's default."""
     drift: bool | None = None
-    """cacheblend: map the reused documents' K/V with the model's drift maps before repair (fitted once
-    per model; see docs/quality.md); False serves them as stored; None = the engine's default (on)."""
+    """cacheblend: map the reused documents' K/V with the engine's drift maps before repair (fitted on the
+    corpus by `engine.fit_drift()`; see docs/quality.md); False serves them as stored; None = the engine's
+    default (on once fitted)."""
     streaming: bool = False
     """Whether `invoke` streams internally (for callback handlers); results are the same."""
     engine: KVBoost | None = Field(default=None, exclude=True)

@@ -104,9 +104,9 @@ class KVBoostLLM(CustomLLM):
                     "answers better than the original; see docs/quality.md); None = the engine's default.")
     drift: bool | None = Field(
         default=None,
-        description="cacheblend: map the reused documents' K/V with the model's drift maps before repair "
-                    "(fitted once per model; see docs/quality.md); False serves them as stored; None = the "
-                    "engine's default (on).")
+        description="cacheblend: map the reused documents' K/V with the engine's drift maps before repair "
+                    "(fitted on the corpus by engine.fit_drift(); see docs/quality.md); False serves them as "
+                    "stored; None = the engine's default (on once fitted).")
     context_window: int | None = Field(
         default=None, gt=0, description="Context window told to LlamaIndex; None = the model's own.")
 
