@@ -160,7 +160,7 @@ def write_items(items: Iterable[dict], path: str | Path) -> None:
 
 # name -> (generator, n, k, words per document, seed); `main` rebuilds them, the tests check them.
 SHIPPED = {
-    "synthetic_k8": ("synthetic", 200, 8, 150, 0),
+    "synthetic_k8": ("synthetic", 432, 8, 150, 0),
     "synthetic_calib": ("synthetic", 50, 8, 150, 1000),
     "pydoc_k8": ("pydoc", 60, 8, 150, 0),
     "tiny": ("synthetic", 3, 3, 40, 0),
