@@ -1,10 +1,10 @@
 """Research harness (issue #6, round 6): where the question's attention goes, full prefill against reuse.
 
 For each item of DATA (the items with the answer document first, say), each strategy's cache is built as
-served, then the question's tokens are run over it once more with every layer probed: the share of their
-attention (mean over heads and question tokens) that lands on the answer document, on the other
-documents, and on the documents' first tokens, per group of layers. STORE holds the documents and the
-drift maps. Results: docs/quality.md.
+served, then the prompt's tail is run over it once more with every layer probed: the share of the
+question's attention (its tokens less the chat template's closing; mean over heads and those tokens) that
+lands on the answer document, on the other documents, and on the documents' first tokens, per group of
+layers. STORE holds the documents and the drift maps. Results: docs/quality.md.
 
     python scripts/research/question_attention.py out/t300_first.jsonl out/store_t300_first \
         [full,naive,cacheblend,cacheblend:drift=false]   # the bench's strategy syntax; these three by default
@@ -19,20 +19,20 @@ import torch
 from kvboost_rag import EngineConfig, KVBoost
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import StrategySpec, parse_strategies, render_prompt
-from kvboost_rag.calibration import document_spans, question_rows
+from kvboost_rag.calibration import document_spans, question_rows, template_suffix_tokens
 from kvboost_rag.config import RepairConfig, StoreConfig
 
 GROUPS = ((0, 10), (10, 20), (20, 30))
 
 
 @torch.inference_mode()
-def shares(engine: KVBoost, item, spec: StrategySpec) -> dict[str, list[float]]:
+def shares(engine: KVBoost, item, spec: StrategySpec, suffix_tokens: int) -> dict[str, list[float]]:
     pre = engine.prefill(render_prompt(item), spec.strategy, write_back=False, repair=spec.repair)
     plan, adapter = pre.plan, engine.adapter
     spans = document_spans(plan)
     # full: its cache holds everything, so the question alone is rerun (the same K/V it wrote)
     run = plan.computed_positions() if spec.strategy != "full" else torch.arange(spans[-1][1], plan.num_tokens)
-    rows = question_rows(plan, run)
+    rows = question_rows(plan, run, suffix_tokens)  # the question, without the template's closing
     layers = range(adapter.num_layers)
     _, probes = adapter.run_layers_probed(adapter.embed(plan.token_ids[run]), run, pre.cache, layers,
                                           plan.num_tokens, set(layers), rows)
@@ -53,7 +53,8 @@ def main() -> None:
     engine = KVBoost.from_pretrained(config=EngineConfig(dtype="float32", store=StoreConfig(disk_dir=Path(store))))
     items = load_items(data)
     engine.ingest([d for item in items for d in item.documents], progress=False)
-    results = {spec.label: [shares(engine, item, spec) for item in items] for spec in specs}
+    suffix = template_suffix_tokens(engine)
+    results = {spec.label: [shares(engine, item, spec, suffix) for item in items] for spec in specs}
     print(f"{len(items)} items; share of the question's attention, mean over heads, question tokens, items")
     print("| strategy | on | " + " | ".join(f"layers {a}-{b - 1}" for a, b in GROUPS) + " |")
     print("|---|---|" + "---|" * len(GROUPS))
