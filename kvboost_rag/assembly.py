@@ -130,11 +130,13 @@ def assemble(plan: Plan, adapter: ModelAdapter, capacity: int, drift: DriftMaps 
     """Buffers holding every stored chunk's KV at its place (keys re-rotated where it moved), the reused
     documents' K/V mapped by `drift` when given (see drift.py; exact hits are served as they are)."""
     cache = adapter.new_buffers(capacity)
+    reused = 0
     for chunk in plan.chunks:
         if chunk.entry is None:
             continue
         if chunk.source == APPROX and drift is not None:
-            place(adapter, cache, chunk.entry, chunk.start, drift)
+            place(adapter, cache, chunk.entry, chunk.start, drift, reused)
+            reused += 1
         else:
             keys = adapter.rotate_keys(chunk.entry.keys, chunk.start - chunk.entry.start)  # [L, H_kv, S, D]
             cache.write(chunk.start, keys, chunk.entry.values)

@@ -9,6 +9,13 @@ made of the corpus's own documents, removes that shared part before repair; what
 prompt-specific drift that CacheBlend's recompute is for. Keys are mapped in the unrotated frame, where a
 token's key does not depend on its position.
 
+The drift depends on the document's place: the first document of a prompt follows only the template,
+the eighth follows seven documents. One map for every place is pulled towards the later places (most of
+the calibration tokens) and misplaces the first document: the question then barely reads it, and answers
+held there were lost (0 of 37 held-out items right, where a full prefill gets 12). So there is one map per
+place, the i-th reused chunk of a prompt (the last map takes every chunk after it): 9 of 37 right
+(docs/quality.md, round 7). Same cost per request: one map per chunk either way.
+
 The maps belong to a corpus, not only to a model: maps fitted on the synthetic look-alike documents
 make CPython documentation passages worse (docs/quality.md, round 4), maps fitted on other passages of
 the same documentation improve them. So they are fitted on what the engine has ingested
@@ -27,15 +34,22 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-VERSION = 1
+VERSION = 2
 RIDGE = 1e-2  # keeps the normal equations well posed for channels that barely vary
+MIN_ROWS = 4  # calibration tokens a place's own map needs, per input (D + 1 of them): else it overfits
 
 
 @dataclass(frozen=True)
 class DriftMaps:
-    keys: torch.Tensor  # [L, H_kv, D + 1, D] fp32: unrotated stale key (and a 1) -> unrotated true key
-    values: torch.Tensor  # [L, H_kv, D + 1, D] fp32
+    keys: torch.Tensor  # [P, L, H_kv, D + 1, D] fp32: unrotated stale key (and a 1) -> unrotated true key
+    values: torch.Tensor  # [P, L, H_kv, D + 1, D] fp32
     prompts: int  # calibration prompts fitted on
+
+    @property
+    def places(self) -> int:
+        """How many maps per layer and head: one for each of the first P - 1 reused chunks of a prompt, in
+        order, and one for every chunk after them."""
+        return self.keys.shape[0]
 
 
 def _affine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -59,20 +73,22 @@ def _rotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return torch.addcmul(keys * cos, adapter.rotate_half(keys), sin)
 
 
-def place(adapter, cache, entry, start: int, maps: DriftMaps) -> None:
-    """Write a stored chunk's K/V into `cache` at `start`, mapped (layer 0's K/V do not depend on context: only
-    moved). Done per chunk while the prompt is assembled, all mapped layers in one batched product over
-    contiguous memory, written straight into the cache: gathering the reused positions from the assembled
-    cache afterwards, layer by layer, cost 2.6 times as much (docs/quality.md, round 5)."""
+def place(adapter, cache, entry, start: int, maps: DriftMaps, index: int = 0) -> None:
+    """Write a stored chunk's K/V into `cache` at `start`, mapped by the maps of the `index`-th reused chunk of
+    the prompt (layer 0's K/V do not depend on context: only moved). Done per chunk while the prompt is
+    assembled, all mapped layers in one batched product over contiguous memory, written straight into the
+    cache: gathering the reused positions from the assembled cache afterwards, layer by layer, cost 2.6 times
+    as much (docs/quality.md, round 5)."""
     keys, values = entry.keys, entry.values  # [L, H_kv, S, D]
     layers, heads, count, dim = keys.shape
+    key_maps, value_maps = maps.keys[min(index, maps.places - 1)], maps.values[min(index, maps.places - 1)]
     cached_keys, cached_values = cache.span(start, start + count)  # views: [L, H_kv, S, D]
     cached_keys[0] = adapter.rotate_keys(keys[:1], start - entry.start)[0]
     cached_values[0] = values[0]
     unrotated = _unrotate(adapter, keys[1:].float(), *_frame(adapter, entry.start, count)).flatten(0, 1)
-    mapped = _affine(unrotated, maps.keys[1:].flatten(0, 1)).view(layers - 1, heads, count, dim)
+    mapped = _affine(unrotated, key_maps[1:].flatten(0, 1)).view(layers - 1, heads, count, dim)
     cached_keys[1:] = _rotate(adapter, mapped, *_frame(adapter, start, count))
-    cached_values[1:] = _affine(values[1:].flatten(0, 1), maps.values[1:].flatten(0, 1)).view_as(mapped)
+    cached_values[1:] = _affine(values[1:].flatten(0, 1), value_maps[1:].flatten(0, 1)).view_as(mapped)
 
 
 def bare_layout(documents: list[str]) -> list[dict]:
@@ -101,14 +117,17 @@ def calibration_prompts(engine, texts: Sequence[str], count: int, per_prompt: in
 
 
 @torch.inference_mode()
-def fit(engine, prompts: Sequence) -> DriftMaps:
+def fit(engine, prompts: Sequence, places: int = 1) -> DriftMaps:
     """Ridge-fit the maps on `prompts` (whose documents the engine has ingested): each prompt's stored
-    documents (stale) against the model's own forward over the whole prompt (true), keys unrotated."""
+    documents (stale) against the model's own forward over the whole prompt (true), keys unrotated; with
+    `places` > 1, one map per place (the i-th reused chunk of a prompt; the last map takes all after)."""
     from .assembly import APPROX  # assembly imports this module to place the mapped chunks
 
     adapter = engine.adapter
     d = adapter.head_dim
-    shape = (2, adapter.num_layers, adapter.num_kv_heads)
+    if places < 1:
+        raise ValueError(f"places must be >= 1, got {places}")
+    shape = (2, places, adapter.num_layers, adapter.num_kv_heads)
     xtx = torch.zeros(*shape, d + 1, d + 1, dtype=torch.float64)  # normal equations, K then V
     xty = torch.zeros(*shape, d + 1, d, dtype=torch.float64)
     used = 0
@@ -118,22 +137,24 @@ def fit(engine, prompts: Sequence) -> DriftMaps:
         if not reused or p.num_tokens > adapter.max_context:
             continue
         true_keys, true_values = adapter.reference_kv(p.token_ids)  # [L, H_kv, N, D]
-        stale_keys, stale_values, keys, values = [], [], [], []
-        for c in reused:
+        for i, c in enumerate(reused):
             count = len(c.token_ids)
-            stale_keys.append(_unrotate(adapter, c.entry.keys.float(), *_frame(adapter, c.entry.start, count)))
-            stale_values.append(c.entry.values)
-            keys.append(_unrotate(adapter, true_keys[:, :, c.start:c.end].float(), *_frame(adapter, c.start, count)))
-            values.append(true_values[:, :, c.start:c.end])
-        for which, (x, y) in enumerate(((stale_keys, keys), (stale_values, values))):
-            x = torch.cat(x, 2).double()  # [L, H_kv, P, D]
-            x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-            xtx[which] += x.transpose(-1, -2) @ x
-            xty[which] += x.transpose(-1, -2) @ torch.cat(y, 2).double()
+            stale_keys = _unrotate(adapter, c.entry.keys.float(), *_frame(adapter, c.entry.start, count))
+            keys = _unrotate(adapter, true_keys[:, :, c.start:c.end].float(), *_frame(adapter, c.start, count))
+            pairs = ((stale_keys, keys), (c.entry.values, true_values[:, :, c.start:c.end]))
+            for which, (x, y) in enumerate(pairs):
+                x = x.double()  # [L, H_kv, S, D]
+                x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+                xtx[which, min(i, places - 1)] += x.transpose(-1, -2) @ x
+                xty[which, min(i, places - 1)] += x.transpose(-1, -2) @ y.double()
         used += 1
     if used == 0:
         raise ValueError("no calibration prompt had stored documents within the context window: ingest the "
                          "documents first (fit_drift needs at least two)")
+    # A place too few calibration tokens reached (prompts cut short by the context window) takes the map
+    # fitted on every place: a map solved from almost nothing would wipe the K/V it maps.
+    thin = xtx[0, :, 0, 0, -1, -1] < MIN_ROWS * (d + 1)  # [P] the bias input's own product counts the tokens
+    xtx[:, thin], xty[:, thin] = xtx.sum(1, keepdim=True), xty.sum(1, keepdim=True)
     maps = torch.linalg.solve(xtx + RIDGE * torch.eye(d + 1, dtype=torch.float64), xty).float()
     return DriftMaps(maps[0].contiguous(), maps[1].contiguous(), used)
 
@@ -157,7 +178,7 @@ def load(path: Path, fingerprint: str, adapter) -> DriftMaps | None:
         return None
     shape = (adapter.num_layers, adapter.num_kv_heads, adapter.head_dim + 1, adapter.head_dim)
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION)
-            or tuple(keys.shape) != shape or tuple(values.shape) != shape
+            or keys.dim() != 5 or tuple(keys.shape[1:]) != shape or keys.shape != values.shape
             or not (torch.isfinite(keys).all() and torch.isfinite(values).all())):
         return None
     return DriftMaps(keys.float(), values.float(), int(meta.get("prompts", 0)))

@@ -298,12 +298,14 @@ class KVBoost:
         return self.drift if repair.drift else None
 
     def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
-                  seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None) -> drift.DriftMaps:
+                  seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None,
+                  places: int = 8) -> drift.DriftMaps:
         """Fit drift maps on this corpus (see `drift.py`) and use them from now on: `prompts` prompts of
         `per_prompt` documents drawn from `texts` (ingested first), or from every ingested document, each laid
         out by `layout` (documents -> the application's prompt: its system text and template; the default is
-        the documents alone as one user message). Costs about one full prefill per prompt; saved next to the
-        disk tier, where the next engine finds them."""
+        the documents alone as one user message), with one map per place for a prompt's first `places`
+        documents (the last serving every later one). Costs about one full prefill per prompt; saved next to
+        the disk tier, where the next engine finds them."""
         pool = list(texts) if texts is not None else self.documents.texts()
         if texts is not None:
             self.ingest(pool, progress=False)
@@ -312,7 +314,7 @@ class KVBoost:
                              "corpus first")
         with self.lock:
             maps = drift.fit(self, drift.calibration_prompts(self, pool, prompts, per_prompt, seed,
-                                                             layout or drift.bare_layout))
+                                                             layout or drift.bare_layout), places)
             self.drift = maps
             if self.drift_path is not None:
                 drift.save(maps, self.drift_path, self.fingerprint)

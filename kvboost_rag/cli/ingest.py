@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("--fit-drift", type=int, default=0, metavar="PROMPTS",
                    help="then fit drift maps on this many prompts of the stored documents (about one full "
                         "prefill each; saved in --store, used by cacheblend from then on); 0 = no")
+    p.add_argument("--drift-places", type=int, default=8, metavar="N",
+                   help="drift maps for each of a prompt's first N documents (the last serves every later "
+                        "one); about the number of documents your retriever returns")
     add_engine_options(p)
     p.set_defaults(func=main)
 
@@ -44,7 +47,8 @@ def _run(args, engine, docs) -> int:
           + f"seconds {seconds:.1f}" + (f"  store {args.store}" if args.store else ""))
     if args.fit_drift:
         started = time.perf_counter()
-        maps = engine.fit_drift(prompts=args.fit_drift)
-        print(f"drift maps fitted on {maps.prompts} prompts in {time.perf_counter() - started:.1f}s: "
+        maps = engine.fit_drift(prompts=args.fit_drift, places=args.drift_places)
+        print(f"drift maps ({maps.places} places) fitted on {maps.prompts} prompts in "
+              f"{time.perf_counter() - started:.1f}s: "
               f"{engine.drift_path}")
     return 0

@@ -13,10 +13,11 @@ from kvboost_rag.config import StoreConfig
 from kvboost_rag.drift import DriftMaps, calibration_prompts, fit
 
 
-def affine_maps(adapter, scale: float = 1.0, bias: float = 0.0) -> DriftMaps:
-    d = adapter.head_dim
-    w = torch.cat([scale * torch.eye(d), torch.full((1, d), bias)])  # [D + 1, D]: x @ scale * I + bias
-    w = w.expand(adapter.num_layers, adapter.num_kv_heads, d + 1, d).clone()
+def affine_maps(adapter, scale: float = 1.0, bias: float | tuple[float, ...] = 0.0) -> DriftMaps:
+    """x @ scale * I + bias at every layer and head; one map per place when `bias` is a tuple."""
+    d, biases = adapter.head_dim, bias if isinstance(bias, tuple) else (bias,)
+    w = torch.stack([torch.cat([scale * torch.eye(d), torch.full((1, d), b)]) for b in biases])  # [P, D + 1, D]
+    w = w[:, None, None].expand(len(biases), adapter.num_layers, adapter.num_kv_heads, d + 1, d).clone()
     return DriftMaps(w, w.clone(), 1)
 
 
@@ -59,6 +60,52 @@ def test_maps_act_on_reused_positions_in_the_unrotated_frame(make_tiny_engine, d
         torch.testing.assert_close(shift, torch.full_like(shift, expected), atol=1e-4, rtol=0)
         assert torch.equal(keys[:, other], old[:, other])  # uncached and exact tokens untouched
         assert torch.equal(cache.values[layer][0, :, other], before[1][layer][:, other])
+
+
+def test_each_reused_chunk_is_mapped_by_the_map_of_its_place(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    engine.ingest(docs)
+    p, before = naive_cache(engine, rag_prompt(docs[::-1], "Who founded the company?"))
+    _, cache = naive_cache(engine, rag_prompt(docs[::-1], "Who founded the company?"), affine_maps(
+        engine.adapter, bias=(0.5, -0.25, 0.125)))
+    reused = [c for c in p.chunks if c.source == APPROX]
+    assert len(reused) > 3  # places past the last map take the last map
+    for place, chunk in enumerate(reused):
+        span = torch.arange(chunk.start, chunk.end)
+        for layer in range(1, engine.adapter.num_layers):
+            shift = (unrotated(engine.adapter, cache.keys[layer][0][:, span], span)
+                     - unrotated(engine.adapter, before.keys[layer][0][:, span], span))
+            expected = (0.5, -0.25, 0.125)[min(place, 2)]
+            torch.testing.assert_close(shift, torch.full_like(shift, expected), atol=1e-4, rtol=0)
+
+
+def test_maps_per_place_fit_better_and_a_place_calibration_never_reached_takes_the_pooled_map(
+        make_tiny_engine, docs):
+    engine = make_tiny_engine()
+    engine.ingest(docs)
+    prompts = calibration_prompts(engine, docs, count=4, per_prompt=3)
+    pooled, per_place = fit(engine, prompts), fit(engine, prompts, places=5)
+    assert per_place.places == 5 and pooled.places == 1
+    # Places 3 and 4 saw no calibration token: both get the map fitted on every place.
+    for maps in (per_place.keys, per_place.values):
+        assert torch.equal(maps[3], maps[4])
+    torch.testing.assert_close(per_place.keys[4], pooled.keys[0])
+    assert not torch.allclose(per_place.keys[0], pooled.keys[0], atol=1e-3)
+
+    def error(maps):
+        total = 0.0
+        for prompt in prompts:
+            p, cache = naive_cache(engine, prompt, maps)
+            reused = p.positions(APPROX)
+            true_keys, true_values = engine.adapter.reference_kv(p.token_ids)
+            total += sum(float((cache.keys[i][0, :, reused] - true_keys[i][:, reused]).pow(2).sum()
+                               + (cache.values[i][0, :, reused] - true_values[i][:, reused]).pow(2).sum())
+                         for i in range(1, engine.adapter.num_layers))
+        return total
+
+    assert error(per_place) < error(pooled)  # a least-squares fit per place, on these very prompts
+    with pytest.raises(ValueError, match="places must be >= 1"):
+        fit(engine, prompts, places=0)
 
 
 def test_fitted_maps_bring_stale_kv_closer_to_the_truth(make_tiny_engine, docs):
