@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 VERSION = 2
 RIDGE = 1e-2  # keeps the normal equations well posed for channels that barely vary
 MIN_ROWS = 4  # calibration tokens a place's own map needs, per input (D + 1 of them): else it overfits
+PLACES = 8  # maps per place fitted by default: about the documents a retriever returns per prompt
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class DriftMaps:
         """How many maps per layer and head: one for each of the first P - 1 reused chunks of a prompt, in
         order, and one for every chunk after them."""
         return self.keys.shape[0]
+
+
+def _slot(index: int, places: int) -> int:
+    """Which of `places` maps serves the `index`-th reused chunk of a prompt (fitting and serving alike)."""
+    return min(index, places - 1)
 
 
 def _affine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -81,7 +87,8 @@ def place(adapter, cache, entry, start: int, maps: DriftMaps, index: int = 0) ->
     as much (docs/quality.md, round 5)."""
     keys, values = entry.keys, entry.values  # [L, H_kv, S, D]
     layers, heads, count, dim = keys.shape
-    key_maps, value_maps = maps.keys[min(index, maps.places - 1)], maps.values[min(index, maps.places - 1)]
+    slot = _slot(index, maps.places)
+    key_maps, value_maps = maps.keys[slot], maps.values[slot]
     cached_keys, cached_values = cache.span(start, start + count)  # views: [L, H_kv, S, D]
     cached_keys[0] = adapter.rotate_keys(keys[:1], start - entry.start)[0]
     cached_values[0] = values[0]
@@ -145,8 +152,8 @@ def fit(engine, prompts: Sequence, places: int = 1) -> DriftMaps:
             for which, (x, y) in enumerate(pairs):
                 x = x.double()  # [L, H_kv, S, D]
                 x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-                xtx[which, min(i, places - 1)] += x.transpose(-1, -2) @ x
-                xty[which, min(i, places - 1)] += x.transpose(-1, -2) @ y.double()
+                xtx[which, _slot(i, places)] += x.transpose(-1, -2) @ x
+                xty[which, _slot(i, places)] += x.transpose(-1, -2) @ y.double()
         used += 1
     if used == 0:
         raise ValueError("no calibration prompt had stored documents within the context window: ingest the "

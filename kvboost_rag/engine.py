@@ -299,7 +299,7 @@ class KVBoost:
 
     def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
                   seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None,
-                  places: int = 8) -> drift.DriftMaps:
+                  places: int = drift.PLACES) -> drift.DriftMaps:
         """Fit drift maps on this corpus (see `drift.py`) and use them from now on: `prompts` prompts of
         `per_prompt` documents drawn from `texts` (ingested first), or from every ingested document, each laid
         out by `layout` (documents -> the application's prompt: its system text and template; the default is

@@ -6,6 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
+from ..drift import PLACES
 from .common import add_engine_options, make_engine, read_documents
 
 
@@ -16,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--fit-drift", type=int, default=0, metavar="PROMPTS",
                    help="then fit drift maps on this many prompts of the stored documents (about one full "
                         "prefill each; saved in --store, used by cacheblend from then on); 0 = no")
-    p.add_argument("--drift-places", type=int, default=8, metavar="N",
+    p.add_argument("--drift-places", type=int, default=PLACES, metavar="N",
                    help="drift maps for each of a prompt's first N documents (the last serves every later "
                         "one); about the number of documents your retriever returns")
     add_engine_options(p)

@@ -32,6 +32,17 @@ def naive_cache(engine, prompt, drift=None):
     return p, cache
 
 
+def error_from_truth(engine, prompt, maps=None) -> float:
+    """Squared distance of the reused positions' assembled K/V (mapped by `maps`) from a full prefill's,
+    over every layer after the first."""
+    p, cache = naive_cache(engine, prompt, maps)
+    reused = p.positions(APPROX)
+    true_keys, true_values = engine.adapter.reference_kv(p.token_ids)
+    return sum(float((cache.keys[i][0, :, reused] - true_keys[i][:, reused]).pow(2).sum()
+                     + (cache.values[i][0, :, reused] - true_values[i][:, reused]).pow(2).sum())
+               for i in range(1, engine.adapter.num_layers))
+
+
 def unrotated(adapter, keys, positions):
     cos, sin = (t[0] for t in adapter.rope(positions, keys))
     return keys * cos - adapter.rotate_half(keys) * sin
@@ -93,15 +104,7 @@ def test_maps_per_place_fit_better_and_a_place_calibration_never_reached_takes_t
     assert not torch.allclose(per_place.keys[0], pooled.keys[0], atol=1e-3)
 
     def error(maps):
-        total = 0.0
-        for prompt in prompts:
-            p, cache = naive_cache(engine, prompt, maps)
-            reused = p.positions(APPROX)
-            true_keys, true_values = engine.adapter.reference_kv(p.token_ids)
-            total += sum(float((cache.keys[i][0, :, reused] - true_keys[i][:, reused]).pow(2).sum()
-                               + (cache.values[i][0, :, reused] - true_values[i][:, reused]).pow(2).sum())
-                         for i in range(1, engine.adapter.num_layers))
-        return total
+        return sum(error_from_truth(engine, prompt, maps) for prompt in prompts)
 
     assert error(per_place) < error(pooled)  # a least-squares fit per place, on these very prompts
     with pytest.raises(ValueError, match="places must be >= 1"):
@@ -115,17 +118,8 @@ def test_fitted_maps_bring_stale_kv_closer_to_the_truth(make_tiny_engine, docs):
     maps = fit(engine, prompts)
     assert maps.prompts == 3
     for prompt in prompts:
-        p, cache = naive_cache(engine, prompt)
-        reused = p.positions(APPROX)
-        _, mapped = naive_cache(engine, prompt, maps)
-        true_keys, true_values = engine.adapter.reference_kv(p.token_ids)
-
-        def error(cache, reused=reused, true_keys=true_keys, true_values=true_values):
-            return sum(float((cache.keys[i][0, :, reused] - true_keys[i][:, reused]).pow(2).sum()
-                             + (cache.values[i][0, :, reused] - true_values[i][:, reused]).pow(2).sum())
-                       for i in range(1, engine.adapter.num_layers))
-
-        assert error(mapped) < 0.9 * error(cache)  # least squares on these very prompts: strictly closer
+        # least squares on these very prompts: strictly closer
+        assert error_from_truth(engine, prompt, maps) < 0.9 * error_from_truth(engine, prompt)
 
 
 def test_calibration_prompts_fit_the_context_window(make_tiny_engine, docs):
