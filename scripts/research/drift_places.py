@@ -4,12 +4,16 @@ On items of DATA whose documents STORE holds, fits maps with `KVBoost.fit_drift(
 in VARIANTS (24 prompts of 8 stored documents, the same prompts for each P), then per item runs full and,
 for each variant "P" or "P:setting=value+...", cacheblend with those maps and repair settings (the bench's
 override syntax), and prints accuracy, first-token KL and continuation KL (32 teacher-forced tokens of full's
-greedy output) per variant. Nothing is written to the store.
+greedy output) per variant. Nothing is written to the store; with OUT.json, the per-item figures (and each
+item's answer place) are written there.
 
     python scripts/research/drift_places.py out/t300_first.jsonl out/store_t300_first 1,8
     python scripts/research/drift_places.py out/t300_last.jsonl out/store_t300_last '1,8,8:recency=2.0'
+    python scripts/research/drift_places.py out/tune100.jsonl out/store_tune '8,8:recency=0.5' out/tune_r8.json
 """
 
+import dataclasses
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -22,16 +26,29 @@ from kvboost_rag.bench.run import continued_logits, correct, kl, parse_strategie
 from kvboost_rag.generation import SamplingParams
 
 
+def part(maps, kind: str):
+    """The maps as fitted ("P"), on keys only ("Pk"), values only ("Pv"), or halfway to identity ("Ph")."""
+    if kind.isdigit():
+        return maps
+    dim = maps.keys.shape[-1]
+    identity = torch.cat([torch.eye(dim), torch.zeros(1, dim)]).expand_as(maps.keys)
+    keys = identity if kind == "v" else (maps.keys + identity) / 2 if kind == "h" else maps.keys
+    values = identity if kind == "k" else (maps.values + identity) / 2 if kind == "h" else maps.values
+    return dataclasses.replace(maps, keys=keys.contiguous(), values=values.contiguous())
+
+
 def main() -> None:
     data, store, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(",")
-    variants = {name: (int(name.partition(":")[0]),
+    variants = {name: (name.partition(":")[0],
                        parse_strategies("cacheblend:" + name.partition(":")[2], RepairConfig())[1].repair)
                 for name in names}
     items = load_items(data)
     engine = KVBoost.from_pretrained(config=EngineConfig(store=StoreConfig(disk_dir=store)))
     engine.drift_path = None  # keep the store's own maps as they are
     pool = [d for item in items for d in item.documents]
-    maps = {p: engine.fit_drift(pool, prompts=24, places=p) for p in sorted({p for p, _ in variants.values()})}
+    counts = sorted({int(v.rstrip("kvh")) for v, _ in variants.values()})
+    fitted = {p: engine.fit_drift(pool, prompts=24, places=p) for p in counts}
+    maps = {v: part(fitted[int(v.rstrip("kvh"))], v[-1]) for v, _ in variants.values()}
     params = SamplingParams(max_new_tokens=32)
     rows = []
     for item in items:
@@ -47,9 +64,11 @@ def main() -> None:
                 text = list(engine.stream_from(pre, params))[-1].result.text
                 per_token = kl(reference, continued_logits(engine, pre, pre.logits[None], result.token_ids))
                 row[name] = (correct(text, item.answers), float(per_token[0]), float(per_token.mean()))
-        rows.append(row)
-        print(item.id, {k: v[0] for k, v in row.items()}, flush=True)
-    for k in rows[0]:
+        rows.append(row | {"answer_doc": item.answer_doc})
+        print(item.id, item.answer_doc, {k: v[0] for k, v in row.items()}, flush=True)
+    if len(sys.argv) > 4:
+        Path(sys.argv[4]).write_text(json.dumps(rows))
+    for k in [k for k in rows[0] if k != "answer_doc"]:
         acc, first, cont = (statistics.fmean(r[k][j] for r in rows) for j in range(3))
         print(f"{k:24s} acc {acc:.3f}  KL first {first:.4f}  cont {cont:.4f}  (n={len(rows)})")
 
