@@ -54,9 +54,6 @@ class RepairConfig:
     taper: float = 8.0
     # cacheblend: deviation is weighted by ((position + 1) / n) ** recency before ranking (0: unweighted).
     recency: float = 1.0
-    # cacheblend: deviation is also weighted by (1 + attend * a), a the question's attention to the token at
-    # that layer relative to uniform (max over the question's tokens, mean over heads); 0: deviation alone.
-    attend: float = 0.0
     # cacheblend: round each layer's set to a multiple of this many tokens (0: exact counts), so that the
     # shrinking sets repeat a few matrix shapes across layers and requests: kernels that set up per
     # shape (oneDNN's bf16 on CPU) then reuse their setup. 16: bf16 1.46x -> 2.29x at the same KL; 64
@@ -68,6 +65,9 @@ class RepairConfig:
     # drift maps (affine per layer and KV head from stale to true K/V, fitted on the corpus by
     # `KVBoost.fit_drift`; see drift.py) when it has some. False: the K/V as stored.
     drift: bool = True
+    # cacheblend: how far the drift maps move the K/V, from 0 (as stored) to 1 (as fitted): each map is
+    # blended with the identity (drift.blend).
+    drift_strength: float = 1.0
     # cacheblend: how tokens are ranked, "deviation" (the method) or "random" (the control).
     select: str = "deviation"
     # cacheblend: seed of the random control, so a bench run is repeatable.

@@ -53,6 +53,26 @@ class DriftMaps:
         return self.keys.shape[0]
 
 
+def check_strength(strength: float) -> float:
+    if not 0.0 <= strength <= 1.0:
+        raise ValueError(f"drift_strength must be in [0, 1], got {strength}: 1 maps as fitted, 0 not at all")
+    return strength
+
+
+def blend(maps: DriftMaps, strength: float) -> DriftMaps:
+    """The maps moved towards the identity: x -> strength * map(x) + (1 - strength) * x, per map.
+
+    The maps are least-squares fits of the K/V, not of what the question reads from them; halfway maps gave a
+    lower continuation KL than whole ones on the tuning set (docs/quality.md, round 8)."""
+    check_strength(strength)
+    if strength == 1.0:
+        return maps
+    dim = maps.keys.shape[-1]
+    identity = torch.cat([torch.eye(dim), torch.zeros(1, dim)])  # [D + 1, D]: x -> x
+    return DriftMaps(strength * maps.keys + (1 - strength) * identity,
+                     strength * maps.values + (1 - strength) * identity, maps.prompts)
+
+
 def _slot(index: int, places: int) -> int:
     """Which of `places` maps serves the `index`-th reused chunk of a prompt (fitting and serving alike)."""
     return min(index, places - 1)

@@ -116,6 +116,7 @@ class KVBoost:
         self._special_ids = frozenset(i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special)
         self._doc_context = self._context_chunks(config.chunking.doc_context)
         self._eos_ids = _eos_ids(loaded.model, self.tokenizer)
+        self._blended = None
         # One forward at a time: the model and the store's write-back are shared by all callers.
         self.lock = threading.RLock()
         # What the engine did, for callers and tests: documents computed or found stored, chunks written back.
@@ -294,8 +295,17 @@ class KVBoost:
         return retrieval_heads(self, max_heads=repair.qa_heads, items=repair.qa_calib_items)
 
     def _drift_maps(self, repair) -> drift.DriftMaps | None:
-        """The engine's fitted drift maps when `repair.drift` asks for them; None when off or never fitted."""
-        return self.drift if repair.drift else None
+        """The engine's fitted drift maps, at `repair.drift_strength`, when `repair.drift` asks for them; None
+        when off or never fitted."""
+        drift.check_strength(repair.drift_strength)
+        if not repair.drift or self.drift is None:
+            return None
+        if repair.drift_strength == 1.0:
+            return self.drift
+        held = self._blended  # (maps, strength, blended): one request's blend serves the next
+        if held is None or held[0] is not self.drift or held[1] != repair.drift_strength:
+            self._blended = held = (self.drift, repair.drift_strength, drift.blend(self.drift, repair.drift_strength))
+        return held[2]
 
     def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
                   seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None,

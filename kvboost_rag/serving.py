@@ -27,7 +27,8 @@ from .engine import KVBoost, StreamPiece
 from .models import BUNDLED_NAME, DTYPES
 
 # The repair knobs both LLM classes take as fields and as per-call arguments (RepairConfig field names).
-REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer", "qa_order", "drift")
+REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer", "qa_order", "drift",
+                 "drift_strength")
 
 _ENGINES: dict[tuple[str, str], KVBoost] = {}
 _LOCK = threading.Lock()

@@ -31,6 +31,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                    help="cacheblend: rank reused tokens by KV deviation, or pick at random (the control)")
     r.add_argument("--no-drift", dest="drift", action="store_false",
                    help="cacheblend: serve the reused documents' K/V as stored, without the model's drift maps")
+    r.add_argument("--drift-strength", type=float, default=RepairConfig.drift_strength,
+                   help="cacheblend: how far the drift maps move the reused K/V (0 = as stored, 1 = as fitted)")
     r.add_argument("--qa-order", default=RepairConfig.qa_order, choices=QA_ORDERS,
                    help="queryaware: keep the documents in place, or move the ones the question needs last "
                         "(a rewritten prompt)")
@@ -46,7 +48,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunking=ChunkingConfig(max_chunk_tokens=args.max_chunk_tokens, doc_context=args.doc_context),
         repair=RepairConfig(boundary_tokens=args.boundary_tokens, recompute_ratio=args.recompute_ratio,
                             taper=args.taper, recency=args.recency, check_layer=args.check_layer,
-                            select=args.select, qa_order=args.qa_order, drift=args.drift),
+                            select=args.select, qa_order=args.qa_order, drift=args.drift,
+                            drift_strength=args.drift_strength),
         store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
     )
 

@@ -95,24 +95,6 @@ def layer_fractions(average: float, taper: float, layers: int) -> list[float]:
     return [min(1.0, high * d) for d in decay]
 
 
-def question_attention(adapter: ModelAdapter, layer: int, hidden: torch.Tensor, here: torch.Tensor,
-                       is_question: torch.Tensor, cache: KVBuffers, n: int) -> torch.Tensor:
-    """How much the question reads each position at `layer`, from the keys in `cache`: [n], 1 = uniform.
-
-    The max over the question's tokens of the attention (mean over heads): the tokens that look a fact
-    up are few (an entity's name), the rest of the question attends locally."""
-    rows = torch.nonzero(is_question).flatten()
-    if rows.numel() == 0:
-        return torch.ones(n)
-    q = adapter._queries(layer, hidden[:, rows], here[rows])[0]  # [H_q, R, D] fp32
-    groups = adapter.num_heads // adapter.num_kv_heads
-    keys = cache.keys[layer][0, :, :n].float().repeat_interleave(groups, dim=0)  # [H_q, n, D]
-    scores = (q @ keys.transpose(1, 2)) * adapter.layers[layer].self_attn.scaling  # [H_q, R, n]
-    visible = torch.arange(n)[None, :] <= here[rows][:, None]
-    probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
-    return probs.mean(0).amax(0) * n
-
-
 def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig,
                        pinned: torch.Tensor | None = None) -> BlendResult:
     """Prefill with progressive CacheBlend repair, writing the repaired K/V into `cache`.
@@ -141,9 +123,6 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
     num_reused = int(torch.isin(positions, always, invert=True).sum())
     weight = ((positions.float() + 1) / n) ** config.recency  # [Q] later tokens count more
 
-    # The question: the tokens after the last reused document (uncached, so in the set at every layer).
-    last_doc = max((c.end for c in plan.chunks if c.source == APPROX), default=0)
-
     # One mask for every non-exact token; the shrinking set takes its rows.
     mask = adapter.causal_mask(positions, n, adapter.dtype)
     hidden = adapter.embed(plan.token_ids[positions])  # [1, Q, H]
@@ -162,10 +141,6 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
         else:
             stale = (cache.keys[layer][:, :, here], cache.values[layer][:, :, here])
             score = kv_deviation((keys, values), stale) * weight[rows]
-            if config.attend > 0:
-                cache.keys[layer].index_copy_(2, here, keys)
-                share = question_attention(adapter, layer, hidden, here, here >= last_doc, cache, n)
-                score = score * (1 + config.attend * share[here])
             is_reused = torch.isin(here, always, invert=True)
             count, available = math.ceil(fractions[layer - check] * num_reused), int(is_reused.sum())
             if multiple > 0 and count < available:

@@ -6,7 +6,10 @@ them, 24 prompts), runs `full` and each strategy of STRATEGIES (the bench's synt
 answer place, how often each strategy's answer comes from the answer document, the first, the last, another
 one, or none; and how often it names the same document as full's.
 
-    python scripts/research/answer_source.py out/tune100.jsonl out/store_tune cacheblend out/tune_source.json
+    python scripts/research/answer_source.py out/tune100.jsonl out/store_tune naive,cacheblend out/tune_source.json 1,7
+
+The optional last argument keeps only the items whose answer document sits at those places (the maps are
+fitted on every item's documents all the same).
 """
 
 import collections
@@ -47,6 +50,8 @@ def main() -> None:
     engine = KVBoost.from_pretrained(config=EngineConfig(store=StoreConfig(disk_dir=store)))
     engine.drift_path = None
     engine.fit_drift([d for item in items for d in item.documents], prompts=24)
+    if len(sys.argv) > 5:
+        items = [item for item in items if item.answer_doc in {int(p) for p in sys.argv[5].split(",")}]
     strategies = {s.label: s for s in parse_strategies(",".join(names), RepairConfig())}
     params = SamplingParams(max_new_tokens=24)
     rows = []

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from kvboost_rag import EngineConfig, RepairConfig
 from kvboost_rag.assembly import APPROX, EXACT, assemble
 from kvboost_rag.config import StoreConfig
-from kvboost_rag.drift import DriftMaps, calibration_prompts, fit
+from kvboost_rag.drift import DriftMaps, blend, calibration_prompts, fit
 
 
 def affine_maps(adapter, scale: float = 1.0, bias: float | tuple[float, ...] = 0.0) -> DriftMaps:
@@ -157,6 +157,28 @@ def test_maps_apply_only_when_fitted_and_asked_for(make_tiny_engine, docs, rag_p
                                       repair=RepairConfig(recompute_ratio=0.0, drift=False)).logits)
     with pytest.raises(ValueError, match="at least two"):
         make_tiny_engine().fit_drift()
+
+
+def test_drift_strength_moves_the_reused_kv_part_of_the_way_from_stored_to_mapped(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()
+    engine.ingest(docs)
+    prompt = rag_prompt(docs[::-1], "Who founded the company?")
+    maps = affine_maps(engine.adapter, scale=1.5, bias=(0.3, -0.2, 0.1))
+    (p, stored), (_, mapped), (_, half) = (naive_cache(engine, prompt, m) for m in (None, maps, blend(maps, 0.5)))
+    reused = p.positions(APPROX)
+    for layer in range(1, engine.adapter.num_layers):
+        for got, low, high in ((half.keys, stored.keys, mapped.keys), (half.values, stored.values, mapped.values)):
+            a, b, c = (t[layer][0, :, reused] for t in (got, low, high))
+            assert not torch.allclose(b, c)
+            torch.testing.assert_close(a, (b + c) / 2, rtol=1e-4, atol=1e-5)
+    assert blend(maps, 1.0) is maps
+    torch.testing.assert_close(naive_cache(engine, prompt, blend(maps, 0.0))[1].all_keys, stored.all_keys)
+    engine.drift = maps
+    served = engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(drift_strength=0.0))
+    off = engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(drift=False))
+    torch.testing.assert_close(served.logits, off.logits)
+    with pytest.raises(ValueError, match="drift_strength"):
+        engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(drift_strength=1.5))
 
 
 def test_saved_maps_are_found_by_the_next_engine_and_a_foreign_old_or_damaged_file_is_ignored(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_rag import EngineConfig, StoreConfig
+from kvboost_rag import EngineConfig, RepairConfig, StoreConfig
 from kvboost_rag.adapter import ModelAdapter, UnsupportedModelError
 from kvboost_rag.assembly import APPROX, EXACT
+from kvboost_rag.cli import build_parser
+from kvboost_rag.cli.common import engine_config
 
 
 def first_token_gap(engine, prompt, strategy, **kw):
@@ -112,3 +114,12 @@ def test_stream_and_stop_strings(make_tiny_engine, docs, rag_prompt):
     sampled = [engine.generate(prompt, max_new_tokens=8, strategy="full", temperature=1.0, seed=s).token_ids
                for s in (1, 1, 2)]
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+
+
+def test_cli_repair_options_reach_the_engine_config():
+    parser = build_parser()
+    args = parser.parse_args(["ask", "q?", "--docs", "a.txt", "--no-drift", "--drift-strength", "0.5",
+                              "--recency", "2"])
+    repair = engine_config(args).repair
+    assert (repair.drift, repair.drift_strength, repair.recency) == (False, 0.5, 2.0)
+    assert engine_config(parser.parse_args(["ask", "q?", "--docs", "a.txt"])).repair == RepairConfig()

@@ -60,7 +60,8 @@ class ChatKVBoost(BaseChatModel):
         ```
 
     Per call, `strategy`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-    `recompute_ratio`, `taper`, `recency`, `boundary_tokens`, `check_layer`, `qa_order`, `drift` and `write_back`
+    `recompute_ratio`, `taper`, `recency`, `boundary_tokens`, `check_layer`, `qa_order`, `drift`, `drift_strength`
+    and `write_back`
     can be overridden:
     `llm.invoke(msgs, strategy="full")` or `llm.bind(strategy="full")`.
 
@@ -106,6 +107,9 @@ class ChatKVBoost(BaseChatModel):
     """cacheblend: map the reused documents' K/V with the engine's drift maps before repair (fitted on the
     corpus by `engine.fit_drift()`; see docs/quality.md); False serves them as stored; None = the engine's
     default (on once fitted)."""
+    drift_strength: float | None = Field(default=None, ge=0.0, le=1.0)
+    """cacheblend: how far the drift maps move the reused K/V, 0 (as stored) to 1 (as fitted); None = the
+    engine's default."""
     streaming: bool = False
     """Whether `invoke` streams internally (for callback handlers); results are the same."""
     engine: KVBoost | None = Field(default=None, exclude=True)
@@ -186,6 +190,7 @@ class ChatKVBoost(BaseChatModel):
             "check_layer": self.check_layer,
             "qa_order": self.qa_order,
             "drift": self.drift,
+            "drift_strength": self.drift_strength,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:

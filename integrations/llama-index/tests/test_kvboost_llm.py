@@ -24,9 +24,10 @@ def test_fields_and_validation():
     fields = KVBoostLLM.model_fields
     assert all(fields[name].description for name in ("model", "dtype", "strategy", "max_tokens", "stop",
                                                       "recompute_ratio", "taper", "recency", "boundary_tokens",
-                                                      "check_layer", "qa_order", "drift"))
+                                                      "check_layer", "qa_order", "drift",
+                                                      "drift_strength"))
     for bad in ({"strategy": "fastest"}, {"dtype": "int8"}, {"recompute_ratio": 2.0}, {"max_tokens": 0},
-                {"taper": 0.5}, {"recency": -1.0}, {"qa_order": "random"}):
+                {"taper": 0.5}, {"recency": -1.0}, {"qa_order": "random"}, {"drift_strength": 1.5}):
         with pytest.raises(ValidationError):
             KVBoostLLM(**bad)
     with pytest.raises(TypeError, match="max_new_token"):
@@ -48,9 +49,9 @@ def test_messages_to_chat():
 @pytest.mark.real_model
 def test_repair_fields_map_to_repair_config(engine):
     llm = KVBoostLLM(recompute_ratio=0.3, taper=2.0, qa_order="relevance_last")
-    repair = llm._call({"recency": 0.0, "check_layer": 2, "drift": False})["repair"]
+    repair = llm._call({"recency": 0.0, "check_layer": 2, "drift": False, "drift_strength": 0.5})["repair"]
     assert (repair.recompute_ratio, repair.taper, repair.recency, repair.check_layer) == (0.3, 2.0, 0.0, 2)
-    assert repair.qa_order == "relevance_last" and repair.drift is False
+    assert repair.qa_order == "relevance_last" and repair.drift is False and repair.drift_strength == 0.5
     assert repair.select == engine.config.repair.select  # the rest from the engine's own config
     assert "repair" not in KVBoostLLM()._call({})
 

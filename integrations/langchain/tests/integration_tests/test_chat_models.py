@@ -97,11 +97,11 @@ def test_stream_carries_figures_on_the_last_chunk_only():
 def test_repair_fields_map_to_repair_config(engine):
     llm = ChatKVBoost(recompute_ratio=1.0, boundary_tokens=3, taper=2.0)
     _, call = llm._request([], None, {"check_layer": 2, "recency": 0.0, "qa_order": "relevance_last",
-                                      "drift": False})
+                                      "drift": False, "drift_strength": 0.5})
     repair = call["repair"]
     assert (repair.recompute_ratio, repair.boundary_tokens, repair.check_layer) == (1.0, 3, 2)
     assert repair.qa_order == "relevance_last" and repair.drift is False
-    assert (repair.taper, repair.recency) == (2.0, 0.0)
+    assert (repair.taper, repair.recency, repair.drift_strength) == (2.0, 0.0, 0.5)
     assert repair.select == engine.config.repair.select  # the rest from the engine's own config
     _, call = ChatKVBoost()._request([], None, {})
     assert "repair" not in call

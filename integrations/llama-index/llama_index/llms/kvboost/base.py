@@ -107,6 +107,10 @@ class KVBoostLLM(CustomLLM):
         description="cacheblend: map the reused documents' K/V with the engine's drift maps before repair "
                     "(fitted on the corpus by engine.fit_drift(); see docs/quality.md); False serves them as "
                     "stored; None = the engine's default (on once fitted).")
+    drift_strength: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        description="cacheblend: how far the drift maps move the reused K/V, 0 (as stored) to 1 (as fitted); "
+                    "None = the engine's default.")
     context_window: int | None = Field(
         default=None, gt=0, description="Context window told to LlamaIndex; None = the model's own.")
 
