@@ -53,10 +53,9 @@ class DriftMaps:
         return self.keys.shape[0]
 
 
-def check_strength(strength: float) -> float:
+def check_strength(strength: float) -> None:
     if not 0.0 <= strength <= 1.0:
         raise ValueError(f"drift_strength must be in [0, 1], got {strength}: 1 maps as fitted, 0 not at all")
-    return strength
 
 
 def blend(maps: DriftMaps, strength: float) -> DriftMaps:

@@ -23,7 +23,6 @@ import torch
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig, StoreConfig
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import parse_strategies, render_prompt
-from kvboost_rag.generation import SamplingParams
 
 
 def source(text: str, question: str, documents: tuple[str, ...]) -> int | None:
@@ -53,7 +52,6 @@ def main() -> None:
     if len(sys.argv) > 5:
         items = [item for item in items if item.answer_doc in {int(p) for p in sys.argv[5].split(",")}]
     strategies = {s.label: s for s in parse_strategies(",".join(names), RepairConfig())}
-    params = SamplingParams(max_new_tokens=24)
     rows = []
     for item in items:
         prompt = render_prompt(item)
@@ -61,8 +59,8 @@ def main() -> None:
         with torch.inference_mode():
             for name in ["full", *names]:
                 spec = strategies[name]
-                pre = engine.prefill(prompt, spec.strategy, max_new_tokens=24, write_back=False, repair=spec.repair)
-                text = list(engine.stream_from(pre, params))[-1].result.text
+                text = engine.generate(prompt, strategy=spec.strategy, max_new_tokens=24, write_back=False,
+                                       repair=spec.repair).text
                 row[name] = {"text": text, "source": source(text, item.question, item.documents)}
         rows.append(row)
         print(item.id, item.answer_doc, {n: row[n]["source"] for n in ["full", *names]}, flush=True)

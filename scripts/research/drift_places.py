@@ -23,18 +23,18 @@ import torch
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig, StoreConfig
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import continued_logits, correct, kl, parse_strategies, render_prompt
+from kvboost_rag.drift import blend
 from kvboost_rag.generation import SamplingParams
 
 
 def part(maps, kind: str):
     """The maps as fitted ("P"), on keys only ("Pk"), values only ("Pv"), or halfway to identity ("Ph")."""
-    if kind.isdigit():
-        return maps
-    dim = maps.keys.shape[-1]
-    identity = torch.cat([torch.eye(dim), torch.zeros(1, dim)]).expand_as(maps.keys)
-    keys = identity if kind == "v" else (maps.keys + identity) / 2 if kind == "h" else maps.keys
-    values = identity if kind == "k" else (maps.values + identity) / 2 if kind == "h" else maps.values
-    return dataclasses.replace(maps, keys=keys.contiguous(), values=values.contiguous())
+    if kind == "h":
+        return blend(maps, 0.5)
+    identity = blend(maps, 0.0)
+    if kind == "k":
+        return dataclasses.replace(maps, values=identity.values)
+    return dataclasses.replace(maps, keys=identity.keys) if kind == "v" else maps
 
 
 def main() -> None:
@@ -46,9 +46,9 @@ def main() -> None:
     engine = KVBoost.from_pretrained(config=EngineConfig(store=StoreConfig(disk_dir=store)))
     engine.drift_path = None  # keep the store's own maps as they are
     pool = [d for item in items for d in item.documents]
-    counts = sorted({int(v.rstrip("kvh")) for v, _ in variants.values()})
-    fitted = {p: engine.fit_drift(pool, prompts=24, places=p) for p in counts}
-    maps = {v: part(fitted[int(v.rstrip("kvh"))], v[-1]) for v, _ in variants.values()}
+    kinds = {v: (int(v.rstrip("kvh")), v[-1]) for v, _ in variants.values()}  # "8h" -> (8, "h")
+    fitted = {p: engine.fit_drift(pool, prompts=24, places=p) for p in sorted({p for p, _ in kinds.values()})}
+    maps = {v: part(fitted[p], kind) for v, (p, kind) in kinds.items()}
     params = SamplingParams(max_new_tokens=32)
     rows = []
     for item in items:

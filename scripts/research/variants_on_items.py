@@ -18,7 +18,6 @@ import torch
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig, StoreConfig
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import correct, parse_strategies, render_prompt
-from kvboost_rag.generation import SamplingParams
 
 
 def main() -> None:
@@ -28,14 +27,12 @@ def main() -> None:
     engine.drift_path = None  # keep the store's own maps as they are
     engine.fit_drift([d for item in every for d in item.documents], prompts=24)
     specs = parse_strategies(names, RepairConfig())
-    params = SamplingParams(max_new_tokens=24)
     for item in (item for item in every if item.id.split("-")[1] in ids):
         answers = {}
         with torch.inference_mode():
             for spec in specs:
-                pre = engine.prefill(render_prompt(item), spec.strategy, max_new_tokens=24, write_back=False,
-                                     repair=spec.repair)
-                text = list(engine.stream_from(pre, params))[-1].result.text
+                text = engine.generate(render_prompt(item), strategy=spec.strategy, max_new_tokens=24,
+                                       write_back=False, repair=spec.repair).text
                 answers[spec.label] = (int(correct(text, item.answers)), text[:50])
         print(item.id, item.answer_doc, item.answers[0], json.dumps(answers), flush=True)
 
