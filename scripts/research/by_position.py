@@ -1,9 +1,13 @@
 """Research harness (issue #6, round 6): accuracy by where the answer-bearing document sits.
 
 For a bench JSON over DATA, each strategy's accuracy grouped by the answer document's place among the
-prompt's documents (0 = first), so that where reuse loses answers shows. Results: docs/quality.md.
+prompt's documents (0 = first), so that where reuse loses answers shows. With "A|B" (round 9), a column for
+the items either strategy answers: what a per-item choice between the two could reach at best.
+Results: docs/quality.md.
 
     python scripts/research/by_position.py kvboost_rag/bench/synthetic_k8.jsonl out/t400.json
+    python scripts/research/by_position.py kvboost_rag/bench/synthetic_k8.jsonl out/t300t.json \
+        'cacheblend|cacheblend:taper=1.0'
 """
 
 import json
@@ -16,17 +20,21 @@ from kvboost_rag.bench.data import load_items
 
 
 def main() -> None:
-    data, path = sys.argv[1], sys.argv[2]
+    data, path, pairs = sys.argv[1], sys.argv[2], sys.argv[3:]
     place = {item.id: item.answer_doc for item in load_items(data)}
     report = json.loads(Path(path).read_text())
-    labels = list(report["strategies"])
+    items = report["per_item"]
+    for pair in pairs:  # each item's "A|B" accuracy: right under either
+        first, second = pair.split("|")
+        for item in items:
+            item[pair] = {"accuracy": max(item[first]["accuracy"], item[second]["accuracy"])}
+    labels = list(report["strategies"]) + pairs
     groups = defaultdict(list)
-    for item in report["per_item"]:
+    for item in items:
         groups[place[item["id"]]].append(item)
     print("| answer document | items | " + " | ".join(labels) + " |")
     print("|---" * (len(labels) + 2) + "|")
-    for position in sorted(groups):
-        rows = groups[position]
+    for position, rows in sorted(groups.items()) + [("all", items)]:
         cells = [f"{statistics.fmean(r[label]['accuracy'] for r in rows):.2f}" for label in labels]
         print(f"| {position} | {len(rows)} | " + " | ".join(cells) + " |")
 
