@@ -68,9 +68,6 @@ class RepairConfig:
     # cacheblend: how far the drift maps move the K/V, from 0 (as stored) to 1 (as fitted): each map is
     # blended with the identity (drift.blend).
     drift_strength: float = 1.0
-    # cacheblend (round 9 experiment): the last `tail_chunks` reused chunks keep one set for all layers
-    # (taper 1) at the same ratio, the rest the tapered set; 0: off.
-    tail_chunks: int = 0
     # cacheblend: how tokens are ranked, "deviation" (the method) or "random" (the control).
     select: str = "deviation"
     # cacheblend: seed of the random control, so a bench run is repeatable.

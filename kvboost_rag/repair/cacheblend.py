@@ -121,13 +121,6 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
     # fractions[j]: of the reused tokens, how many get fresh K/V at layer check + 1 + j.
     fractions = layer_fractions(config.recompute_ratio, max(config.taper, 1.0), num_layers - check - 1)
     num_reused = int(torch.isin(positions, always, invert=True).sum())
-    approx = [c for c in plan.chunks if c.source == APPROX]
-    tail_spans = [torch.arange(c.start, c.end) for c in approx[len(approx) - config.tail_chunks:]] \
-        if config.tail_chunks > 0 else []
-    tail = torch.isin(positions, torch.cat(tail_spans)) if tail_spans else torch.zeros_like(positions, dtype=torch.bool)
-    tail &= torch.isin(positions, always, invert=True)
-    num_tail = int(tail.sum())
-    num_rest = num_reused - num_tail
     weight = ((positions.float() + 1) / n) ** config.recency  # [Q] later tokens count more
 
     # One mask for every non-exact token; the shrinking set takes its rows.
@@ -157,16 +150,7 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
                 total = max(round((fixed + count) / multiple), 1) * multiple
                 count = max(total - fixed, 0)
             keep = torch.arange(rows.numel())
-            if num_tail:  # two pools: the tail with one set, the rest tapered
-                in_tail = tail[rows]
-                count_tail = math.ceil(config.recompute_ratio * num_tail)
-                count_rest = math.ceil(fractions[layer - check] * num_rest)
-                picked = torch.cat([
-                    choose(score, torch.nonzero(is_reused & in_tail).flatten(), count_tail, config.select, config.seed),
-                    choose(score, torch.nonzero(is_reused & ~in_tail).flatten(), count_rest, config.select,
-                           config.seed + layer)])
-                keep = torch.sort(torch.cat([torch.nonzero(~is_reused).flatten(), picked])).values
-            elif count < available:
+            if count < available:
                 picked = choose(score, torch.nonzero(is_reused).flatten(), count, config.select, config.seed + layer)
                 keep = torch.sort(torch.cat([torch.nonzero(~is_reused).flatten(), picked])).values
         cache.keys[layer].index_copy_(2, here, keys)
