@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+DOC_CONTEXTS = ("none", "template", "passage")
 STRATEGIES = ("full", "prefix", "naive", "selective", "cacheblend", "queryaware")
 # queryaware: documents in the prompt's order, or the ones the question needs moved last.
 QA_ORDERS = ("prompt", "relevance_last")
@@ -33,10 +34,12 @@ def check_order(order: str) -> str:
 class ChunkingConfig:
     # A document longer than this is split at paragraph, then sentence, then word boundaries.
     max_chunk_tokens: int = 512
-    # What a document is encoded after at ingestion: "none" (alone, from position 0) or "template"
-    # (after the opening of the model's chat template, up to a user message's content), so its first
-    # token is not an attention sink and its KV looks like a document inside a real prompt.
-    doc_context: str = "none"
+    # What a document is encoded after at ingestion: "none" (alone, from position 0), "template" (after
+    # the opening of the model's chat template, up to a user message's content) or "passage" (after that
+    # opening, a neutral paragraph and a blank line: as a later document of a prompt). With anything
+    # but "none" the document's first token is not an attention sink; with "passage" its KV does not look
+    # like a prompt's first document either, which every reused document otherwise claims to be.
+    doc_context: str = "passage"
 
 
 @dataclass(frozen=True)

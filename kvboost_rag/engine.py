@@ -32,7 +32,7 @@ from .adapter import ModelAdapter
 from .assembly import COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
 from .calibration import document_spans, retrieval_heads, template_suffix_tokens
 from .chunking import chunk_document
-from .config import EngineConfig, check_strategy
+from .config import DOC_CONTEXTS, EngineConfig, check_strategy
 from .documents import Document, DocumentIndex
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
@@ -43,6 +43,14 @@ from .store import make_store
 from .store.base import KVEntry, KVStore
 
 Messages = Sequence[dict]
+
+# doc_context "passage": what a document is encoded after, so that its KV looks like a later document's.
+# Written for kvboost-rag: neutral prose with no entity, number or name a question could ask about.
+CONTEXT_PASSAGE = ("The notes below were gathered from several sources and arranged for easy reading. Each part "
+                   "describes one subject on its own, in plain language, and the parts may be read in any order. "
+                   "Some details were checked against older records, while others come from people who knew the "
+                   "subject well. Where sources disagreed, the more recent account was kept. Small changes to "
+                   "spelling and wording were made so that the parts read alike.")
 
 
 @dataclass(frozen=True)
@@ -195,19 +203,26 @@ class KVBoost:
         return doc
 
     def _context_chunks(self, doc_context: str) -> list[tuple[tuple[int, ...], bool]]:
-        """The chunk a document is encoded after at ingestion (see ChunkingConfig.doc_context)."""
+        """The chunks a document is encoded after at ingestion (see ChunkingConfig.doc_context)."""
+        if doc_context not in DOC_CONTEXTS:
+            raise ValueError(f"unknown doc_context {doc_context!r}; use one of {', '.join(DOC_CONTEXTS)}")
         if doc_context == "none":
             return []
-        if doc_context != "template":
-            raise ValueError(f"unknown doc_context {doc_context!r}; use 'none' or 'template'")
         marker = "\x00kvboost-doc\x00"
         try:
             rendered = self.render([{"role": "user", "content": marker}])
+            opening = rendered[: rendered.index(marker)]
         except ValueError:
-            return []  # no chat template: nothing to encode after
-        opening = rendered[: rendered.index(marker)]
-        return tokenize_segments([opening], self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
-                                 self._special_ids)
+            opening = ""  # no chat template: nothing to encode after, or the passage alone (after BOS)
+        if doc_context == "template" and not opening:
+            return []
+        size = self.config.chunking.max_chunk_tokens
+        chunks = tokenize_segments([opening] if opening else [], self.tokenizer, size, self._bos_ids, self._special_ids)
+        if doc_context == "passage":
+            # Tokenized apart, as a prompt's documents and the separators between them are.
+            chunks += tokenize_segments([CONTEXT_PASSAGE], self.tokenizer, size, ())
+            chunks += tokenize_segments(["\n\n"], self.tokenizer, size, ())
+        return chunks
 
     def close(self) -> None:
         """Flush and release the store (the disk tier's index is written here)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import QA_ORDERS, STRATEGIES, ChunkingConfig, EngineConfig, RepairConfig, StoreConfig
+from ..config import DOC_CONTEXTS, QA_ORDERS, STRATEGIES, ChunkingConfig, EngineConfig, RepairConfig, StoreConfig
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -16,8 +16,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-budget", type=int, default=None, help="bytes the in-memory tier may hold")
     g.add_argument("--kv-bits", type=int, default=16, choices=[16, 8, 4], help="stored KV precision")
     g.add_argument("--max-chunk-tokens", type=int, default=512)
-    g.add_argument("--doc-context", default=ChunkingConfig.doc_context, choices=["none", "template"],
-                   help="what documents are encoded after at ingestion: nothing, or the chat template's opening")
+    g.add_argument("--doc-context", default=ChunkingConfig.doc_context, choices=DOC_CONTEXTS,
+                   help="what documents are encoded after at ingestion: nothing, the chat template's opening, "
+                        "or that and a neutral passage (as a later document of a prompt)")
     r = parser.add_argument_group("repair")
     r.add_argument("--boundary-tokens", type=int, default=RepairConfig.boundary_tokens, help="selective: k")
     r.add_argument("--recompute-ratio", type=float, default=RepairConfig.recompute_ratio,

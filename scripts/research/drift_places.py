@@ -5,11 +5,13 @@ in VARIANTS (24 prompts of 8 stored documents, the same prompts for each P), the
 for each variant "P" or "P:setting=value+...", cacheblend with those maps and repair settings (the bench's
 override syntax), and prints accuracy, first-token KL and continuation KL (32 teacher-forced tokens of full's
 greedy output) per variant. Nothing is written to the store; with OUT.json, the per-item figures (and each
-item's answer place) are written there.
+item's answer place) are written there. A fifth argument sets what documents are encoded after at ingestion
+(`ChunkingConfig.doc_context`, "none" by default; STORE then holds that encoding's entries).
 
     python scripts/research/drift_places.py out/t300_first.jsonl out/store_t300_first 1,8
     python scripts/research/drift_places.py out/t300_last.jsonl out/store_t300_last '1,8,8:recency=2.0'
     python scripts/research/drift_places.py out/tune100.jsonl out/store_tune '8,8:recency=0.5' out/tune_r8.json
+    python scripts/research/drift_places.py out/tune100.jsonl out/store_tune_p 8 out/tune_r10a.json passage
 """
 
 import dataclasses
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvboost_rag import EngineConfig, KVBoost, RepairConfig, StoreConfig
+from kvboost_rag import ChunkingConfig, EngineConfig, KVBoost, RepairConfig, StoreConfig
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import continued_logits, correct, kl, parse_strategies, render_prompt
 from kvboost_rag.drift import blend
@@ -43,7 +45,8 @@ def main() -> None:
                        parse_strategies("cacheblend:" + name.partition(":")[2], RepairConfig())[1].repair)
                 for name in names}
     items = load_items(data)
-    engine = KVBoost.from_pretrained(config=EngineConfig(store=StoreConfig(disk_dir=store)))
+    chunking = ChunkingConfig(doc_context=sys.argv[5] if len(sys.argv) > 5 else "none")
+    engine = KVBoost.from_pretrained(config=EngineConfig(chunking=chunking, store=StoreConfig(disk_dir=store)))
     engine.drift_path = None  # keep the store's own maps as they are
     pool = [d for item in items for d in item.documents]
     kinds = {v: (int(v.rstrip("kvh")), v[-1]) for v, _ in variants.values()}  # "8h" -> (8, "h")
@@ -66,7 +69,7 @@ def main() -> None:
                 row[name] = (correct(text, item.answers), float(per_token[0]), float(per_token.mean()))
         rows.append(row | {"answer_doc": item.answer_doc})
         print(item.id, item.answer_doc, {k: v[0] for k, v in row.items()}, flush=True)
-    if len(sys.argv) > 4:
+    if len(sys.argv) > 4 and sys.argv[4] != "-":
         Path(sys.argv[4]).write_text(json.dumps(rows))
     for k in [k for k in rows[0] if k != "answer_doc"]:
         acc, first, cont = (statistics.fmean(r[k][j] for r in rows) for j in range(3))

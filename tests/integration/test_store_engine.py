@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvboost_rag import EngineConfig, StoreConfig
+from kvboost_rag import ChunkingConfig, EngineConfig, StoreConfig
 from kvboost_rag.store.disk import StoreIntegrityWarning, entry_path, verify_dir
 
 
@@ -34,8 +34,11 @@ def test_ingest_in_one_process_answer_in_another(tmp_path, docs):
 
 @pytest.fixture
 def disk_engines(make_tiny_engine, tmp_path):
+    # Documents stored alone: a prompt of just the document is then an exact hit, so a test sees what is served.
     def make(seed=0, folder="store"):
-        return make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path / folder)), seed=seed)
+        store = StoreConfig(disk_dir=tmp_path / folder)
+        config = EngineConfig(chunking=ChunkingConfig(doc_context="none"), store=store)
+        return make_tiny_engine(config, seed=seed)
     return make
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_rag import EngineConfig, RepairConfig, StoreConfig
+from kvboost_rag import ChunkingConfig, EngineConfig, RepairConfig, StoreConfig
 from kvboost_rag.adapter import ModelAdapter, UnsupportedModelError
 from kvboost_rag.assembly import APPROX, EXACT
 from kvboost_rag.cli import build_parser
 from kvboost_rag.cli.common import engine_config
+from kvboost_rag.engine import CONTEXT_PASSAGE
 
 
 def first_token_gap(engine, prompt, strategy, **kw):
@@ -46,15 +47,35 @@ def test_exact_prefix_hit_equals_full_prefill(make_tiny_engine, docs, rag_prompt
 
 
 def test_reordered_documents_are_content_hits_and_prefix_misses(make_tiny_engine, docs, rag_prompt):
-    engine = make_tiny_engine()
+    engine = make_tiny_engine(EngineConfig(chunking=ChunkingConfig(doc_context="none")))
     engine.ingest(docs)
     pre = engine.prefill(rag_prompt(docs[::-1], "Where?"), "naive", write_back=False)
     sources = [c.source for c in pre.plan.chunks if c.is_document]
     assert sources == [APPROX] * len(docs)
     assert pre.reused_tokens > 0.8 * pre.prompt_tokens
-    # A document placed first after nothing is an exact prefix hit: its ingested context is the truth.
+    # Encoded alone, a document placed first after nothing is an exact prefix hit: its ingested context is the truth.
     bare = engine.prefill(docs[0], "prefix", write_back=False)
     assert [c.source for c in bare.plan.chunks] == [EXACT]
+
+
+def test_passage_context_stores_a_document_as_encoded_after_it(make_tiny_engine, docs, rag_prompt):
+    engine = make_tiny_engine()  # "passage" is the default
+    assert engine.config.chunking.doc_context == "passage"
+    alone = make_tiny_engine(EngineConfig(chunking=ChunkingConfig(doc_context="none")))
+    assert engine.fingerprint != alone.fingerprint  # a store never mixes the two encodings
+    context = [t for tokens, _ in engine._doc_context for t in tokens]
+    passage = engine.tokenizer(CONTEXT_PASSAGE, add_special_tokens=False)["input_ids"]
+    assert context[-len(passage) - 1:-1] == passage  # the opening, the passage, then a blank line
+    engine.ingest(docs[:2])
+    pre = engine.prefill(rag_prompt(docs[:2][::-1], "Who?"), "naive", write_back=False)
+    entries = [c.entry for c in pre.plan.chunks if c.is_document]
+    assert [e.start for e in entries] == [len(context)] * 2
+    doc = list(entries[0].token_ids)
+    keys, values = engine.adapter.reference_kv(torch.tensor(context + doc))
+    assert torch.allclose(entries[0].keys, keys[:, :, len(context):], atol=1e-4)
+    assert torch.allclose(entries[0].values, values[:, :, len(context):], atol=1e-4)
+    with pytest.raises(ValueError, match="unknown doc_context 'magic'; use one of none, template, passage"):
+        make_tiny_engine(EngineConfig(chunking=ChunkingConfig(doc_context="magic")))
 
 
 def test_another_model_never_hits(make_tiny_engine, docs, rag_prompt):
