@@ -1,13 +1,14 @@
-"""Drift correction: affine maps from a document's K/V encoded alone to its K/V inside a prompt.
+"""Drift correction: affine maps from a document's K/V as stored to its K/V inside a prompt.
 
-A stored document was encoded from position 0 with nothing before it; inside a prompt the same tokens
-would have attended to the text before them, so their K/V at every layer after the first have drifted.
-Part of that drift is shared by the documents of a corpus: the tokens attended to their own first token
-(an attention sink) instead of the prompt's, and to nothing of the kind of text that usually comes before
-them. An affine map per layer and KV head, fitted by ridge least squares from stale to true K/V on prompts
-made of the corpus's own documents, removes that shared part before repair; what is left is the
-prompt-specific drift that CacheBlend's recompute is for. Keys are mapped in the unrotated frame, where a
-token's key does not depend on its position.
+A stored document was encoded after its ingestion context (ChunkingConfig.doc_context: nothing, or a
+neutral passage) instead of the prompt's own text; inside a prompt the same tokens would have attended to
+that text, so their K/V at every layer after the first have drifted. Part of that drift is shared by the
+documents of a corpus: the tokens attended to their own first token (an attention sink, when encoded
+alone) or to the passage, instead of the prompt's text before them. An affine map per layer and KV head,
+fitted by ridge least squares from stale to true K/V on prompts made of the corpus's own documents,
+removes that shared part before repair; what is left is the prompt-specific drift that CacheBlend's
+recompute is for. Keys are mapped in the unrotated frame, where a token's key does not depend on its
+position.
 
 The drift depends on the document's place: the first document of a prompt follows only the template,
 the eighth follows seven documents. One map for every place is pulled towards the later places (most of

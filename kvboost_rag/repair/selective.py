@@ -1,7 +1,8 @@
 """SelectiveRecompute: recompute the boundary region of every reused chunk.
 
-A chunk encoded alone starts as if it began the text: its first tokens carry a false attention
-sink and none of the context now before them. Recomputing the first `boundary_tokens` of each
+A chunk encoded without its prompt's text before it (alone, or after the ingestion context) lacks that
+context, and when encoded alone it starts as if it began the text: its first tokens carry a false
+attention sink. Recomputing the first `boundary_tokens` of each
 reused chunk (and every uncached token), attending to the whole assembled cache, repairs that
 region; the rest of each chunk is reused as it is.
 """
