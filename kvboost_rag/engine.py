@@ -216,13 +216,11 @@ class KVBoost:
             opening = ""  # no chat template: nothing to encode after, or the passage alone (after BOS)
         if doc_context == "template" and not opening:
             return []
-        size = self.config.chunking.max_chunk_tokens
-        chunks = tokenize_segments([opening] if opening else [], self.tokenizer, size, self._bos_ids, self._special_ids)
+        segments = [opening] if opening else []
         if doc_context == "passage":
-            # Tokenized apart, as a prompt's documents and the separators between them are.
-            chunks += tokenize_segments([CONTEXT_PASSAGE], self.tokenizer, size, ())
-            chunks += tokenize_segments(["\n\n"], self.tokenizer, size, ())
-        return chunks
+            segments += [CONTEXT_PASSAGE, "\n\n"]  # each tokenized apart, as a prompt's documents and separators
+        return tokenize_segments(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
+                                 self._special_ids)
 
     def close(self) -> None:
         """Flush and release the store (the disk tier's index is written here)."""
