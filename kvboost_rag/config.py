@@ -23,6 +23,13 @@ def check_strategy(strategy: str) -> str:
     return strategy
 
 
+def check_doc_context(doc_context: str) -> str:
+    """The ingestion context's name (ChunkingConfig.doc_context), or a ValueError listing the known ones."""
+    if doc_context not in DOC_CONTEXTS:
+        raise ValueError(f"unknown doc_context {doc_context!r}; use one of {', '.join(DOC_CONTEXTS)}")
+    return doc_context
+
+
 def check_order(order: str) -> str:
     """The queryaware document order, or a ValueError listing the known ones."""
     if order not in QA_ORDERS:

@@ -32,7 +32,7 @@ from .adapter import ModelAdapter
 from .assembly import COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
 from .calibration import document_spans, retrieval_heads, template_suffix_tokens
 from .chunking import chunk_document
-from .config import DOC_CONTEXTS, EngineConfig, check_strategy
+from .config import EngineConfig, check_doc_context, check_strategy
 from .documents import Document, DocumentIndex
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
@@ -204,9 +204,7 @@ class KVBoost:
 
     def _context_chunks(self, doc_context: str) -> list[tuple[tuple[int, ...], bool]]:
         """The chunks a document is encoded after at ingestion (see ChunkingConfig.doc_context)."""
-        if doc_context not in DOC_CONTEXTS:
-            raise ValueError(f"unknown doc_context {doc_context!r}; use one of {', '.join(DOC_CONTEXTS)}")
-        if doc_context == "none":
+        if check_doc_context(doc_context) == "none":
             return []
         marker = "\x00kvboost-doc\x00"
         try:

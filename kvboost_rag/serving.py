@@ -1,4 +1,4 @@
-"""Serving one engine to many callers: one engine per (model, dtype) in the process, and stepping
+"""Serving one engine to many callers: one engine per (model, dtype, doc_context) in the process, and stepping
 an engine stream from asyncio. Framework-neutral; both integrations (LangChain, LlamaIndex) use it.
 
 Several LLM objects (one per chain, per temperature, per framework...) must not load the model, nor
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .config import RepairConfig
+from .config import ChunkingConfig, EngineConfig, RepairConfig, check_doc_context
 from .engine import KVBoost, StreamPiece
 from .models import BUNDLED_NAME, DTYPES
 
@@ -30,7 +30,7 @@ from .models import BUNDLED_NAME, DTYPES
 REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer", "qa_order", "drift",
                  "drift_strength")
 
-_ENGINES: dict[tuple[str, str], KVBoost] = {}
+_ENGINES: dict[tuple[str, str, str], KVBoost] = {}
 _LOCK = threading.Lock()
 _WORKERS: weakref.WeakKeyDictionary[KVBoost, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 _DONE = object()
@@ -50,18 +50,33 @@ def model_key(model: str | None) -> str:
     return str(path.resolve()) if path.exists() else model
 
 
-def shared_engine(model: str | None = None, dtype: str = "float32") -> KVBoost:
-    """The process-wide engine for (model, dtype), loaded on first use."""
+def shared_engine(model: str | None = None, dtype: str = "float32", doc_context: str | None = None) -> KVBoost:
+    """The process-wide engine for (model, dtype, doc_context), loaded on first use.
+
+    `doc_context` (ChunkingConfig.doc_context; None = its default) decides how documents are encoded
+    at ingestion, so engines that differ in it keep different stores; each loads the model once.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    key = (model_key(model), dtype)
+    doc_context = check_doc_context(doc_context or ChunkingConfig.doc_context)
+    key = (model_key(model), dtype, doc_context)
     # Loading under the lock: a second caller waits for the first load instead of loading again.
     with _LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            engine = KVBoost.from_pretrained(model, dtype=dtype)
+            config = EngineConfig(dtype=dtype, chunking=ChunkingConfig(doc_context=doc_context))
+            engine = KVBoost.from_pretrained(model, config=config)
             _ENGINES[key] = engine
         return engine
+
+
+def check_engine_doc_context(engine: KVBoost, doc_context: str | None) -> None:
+    """A ValueError when an LLM class is given both an engine and a doc_context the engine does not use:
+    documents are encoded once, by the engine, so the field cannot change how."""
+    if doc_context is not None and doc_context != engine.config.chunking.doc_context:
+        raise ValueError(f"doc_context {doc_context!r} differs from the given engine's "
+                         f"{engine.config.chunking.doc_context!r}; leave doc_context unset (None) to use the "
+                         f"engine's, or build the engine with ChunkingConfig(doc_context={doc_context!r})")
 
 
 def _worker(engine: KVBoost) -> ThreadPoolExecutor:

@@ -18,12 +18,19 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from kvboost_rag import Generation, KVBoost
-from kvboost_rag.config import check_order, check_strategy
+from kvboost_rag.config import check_doc_context, check_order, check_strategy
 from kvboost_rag.models import parse_dtype
-from kvboost_rag.serving import REPAIR_FIELDS, astream_pieces, model_key, repair_overrides, shared_engine
+from kvboost_rag.serving import (
+    REPAIR_FIELDS,
+    astream_pieces,
+    check_engine_doc_context,
+    model_key,
+    repair_overrides,
+    shared_engine,
+)
 
 # Per-call keyword arguments (`invoke(..., strategy="full")`, `.bind(max_tokens=8)`).
 _CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", *REPAIR_FIELDS,
@@ -74,6 +81,10 @@ class ChatKVBoost(BaseChatModel):
     """Local folder or hub id of a HuggingFace decoder; None = the bundled SmolLM2-135M-Instruct."""
     dtype: str = "float32"
     """Compute dtype: "float32", "bfloat16" or "float16"."""
+    doc_context: str | None = None
+    """How documents are encoded at ingestion: "passage" (after a neutral paragraph, as a later document of
+    a prompt), "template" or "none" (alone); see kvboost_rag.config.ChunkingConfig. None = the default
+    ("passage"), or the given `engine`'s own."""
     strategy: str = "cacheblend"
     """How the assembled prompt cache is repaired: one of kvboost_rag.config.STRATEGIES."""
     max_tokens: int = Field(default=256, alias="max_new_tokens", ge=1)
@@ -113,7 +124,8 @@ class ChatKVBoost(BaseChatModel):
     streaming: bool = False
     """Whether `invoke` streams internally (for callback handlers); results are the same."""
     engine: KVBoost | None = Field(default=None, exclude=True)
-    """A pre-built engine; None = the process-wide engine for (model, dtype), loaded on first use."""
+    """A pre-built engine; None = the process-wide engine for (model, dtype, doc_context), loaded on first
+    use."""
 
     _engine: KVBoost | None = PrivateAttr(default=None)
 
@@ -126,6 +138,17 @@ class ChatKVBoost(BaseChatModel):
     @classmethod
     def _known_order(cls, value: str | None) -> str | None:
         return value if value is None else check_order(value)
+
+    @field_validator("doc_context")
+    @classmethod
+    def _known_doc_context(cls, value: str | None) -> str | None:
+        return value if value is None else check_doc_context(value)
+
+    @model_validator(mode="after")
+    def _engine_encodes_as_asked(self) -> ChatKVBoost:
+        if self.engine is not None:
+            check_engine_doc_context(self.engine, self.doc_context)
+        return self
 
     @field_validator("dtype")
     @classmethod
@@ -141,7 +164,7 @@ class ChatKVBoost(BaseChatModel):
         if self.engine is not None:
             return self.engine
         if self._engine is None:
-            self._engine = shared_engine(self.model, self.dtype)
+            self._engine = shared_engine(self.model, self.dtype, self.doc_context)
         return self._engine
 
     @property

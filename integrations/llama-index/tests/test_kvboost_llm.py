@@ -25,9 +25,10 @@ def test_fields_and_validation():
     assert all(fields[name].description for name in ("model", "dtype", "strategy", "max_tokens", "stop",
                                                       "recompute_ratio", "taper", "recency", "boundary_tokens",
                                                       "check_layer", "qa_order", "drift",
-                                                      "drift_strength"))
+                                                      "drift_strength", "doc_context"))
     for bad in ({"strategy": "fastest"}, {"dtype": "int8"}, {"recompute_ratio": 2.0}, {"max_tokens": 0},
-                {"taper": 0.5}, {"recency": -1.0}, {"qa_order": "random"}, {"drift_strength": 1.5}):
+                {"taper": 0.5}, {"recency": -1.0}, {"qa_order": "random"}, {"drift_strength": 1.5},
+                {"doc_context": "sentence"}):
         with pytest.raises(ValidationError):
             KVBoostLLM(**bad)
     with pytest.raises(TypeError, match="max_new_token"):
@@ -54,6 +55,25 @@ def test_repair_fields_map_to_repair_config(engine):
     assert repair.qa_order == "relevance_last" and repair.drift is False and repair.drift_strength == 0.5
     assert repair.select == engine.config.repair.select  # the rest from the engine's own config
     assert "repair" not in KVBoostLLM()._call({})
+
+
+@pytest.mark.real_model
+def test_doc_context_picks_how_documents_are_encoded(engine):
+    assert KVBoostLLM(doc_context="passage").client is engine  # the default's engine, shared
+    alone = KVBoostLLM(doc_context="none")
+    assert alone.client is not engine and alone.client is KVBoostLLM(doc_context="none").client
+    assert alone.client.fingerprint != engine.fingerprint  # its store never serves the other encoding
+    prompt = [{"role": "system", "content": f"Answer from the document.\n\n{DOC}"}, {"role": "user", "content": "Who?"}]
+    starts = {}
+    for llm in (alone, KVBoostLLM()):
+        llm.client.ingest([DOC], progress=False)
+        starts[llm.client.config.chunking.doc_context] = [
+            c.entry.start for c in llm.client.plan(prompt, "naive").chunks if c.is_document]
+    assert starts["none"] == [0] and starts["passage"][0] > 50  # alone; after the opening and the passage
+
+    assert KVBoostLLM(engine=alone.client).client is alone.client  # unset: the engine's own
+    with pytest.raises(ValueError, match="differs from the given engine's 'none'"):
+        KVBoostLLM(engine=alone.client, doc_context="passage")
 
 
 @pytest.mark.real_model

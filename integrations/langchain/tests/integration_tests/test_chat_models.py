@@ -10,6 +10,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_kvboost import ChatKVBoost, KVBoostPrewarmTransformer
 from langchain_tests.integration_tests import ChatModelIntegrationTests
+from pydantic import ValidationError
 
 pytestmark = pytest.mark.real_model
 
@@ -81,6 +82,28 @@ def test_prewarmed_document_is_read_from_cache(engine):
     assert full.response_metadata["strategy"] == "full"
     assert full.usage_metadata["input_token_details"]["cache_read"] == 0
     assert full.usage_metadata["output_tokens"] <= 3
+
+
+def _stored_starts(llm: ChatKVBoost) -> list[int]:
+    """Where the prompt's reused documents were encoded at ingestion (token position of their first token)."""
+    plan = llm.client.plan([{"role": "system", "content": f"Answer from the document.\n\n{DOC}"},
+                            {"role": "user", "content": "Who?"}], "naive")
+    return [c.entry.start for c in plan.chunks if c.is_document]
+
+
+def test_doc_context_picks_how_documents_are_encoded(engine):
+    assert ChatKVBoost(doc_context="passage").client is engine  # the default's engine, shared
+    alone = ChatKVBoost(doc_context="none")
+    assert alone.client is not engine and alone.client is ChatKVBoost(doc_context="none").client
+    assert alone.client.fingerprint != engine.fingerprint  # its store never serves the other encoding
+    for llm in (alone, ChatKVBoost()):
+        llm.prewarm([DOC], show_progress=False)
+    assert _stored_starts(alone) == [0]  # encoded alone, from position 0
+    assert _stored_starts(ChatKVBoost())[0] > 50  # after the template's opening and the passage
+
+    assert ChatKVBoost(engine=alone.client).client is alone.client  # unset: the engine's own
+    with pytest.raises(ValidationError, match="differs from the given engine's 'none'"):
+        ChatKVBoost(engine=alone.client, doc_context="passage")
 
 
 def test_stream_carries_figures_on_the_last_chunk_only():

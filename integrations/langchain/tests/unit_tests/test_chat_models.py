@@ -36,7 +36,8 @@ def test_construction_loads_no_model():
 
 @pytest.mark.parametrize("bad", [{"strategy": "fastest"}, {"dtype": "int8"}, {"recompute_ratio": 1.5},
                                  {"max_tokens": 0}, {"top_p": 0.0}, {"temperature": -1.0},
-                                 {"boundary_tokens": -1}, {"qa_order": "random"}])
+                                 {"boundary_tokens": -1}, {"qa_order": "random"},
+                                 {"doc_context": "sentence"}])
 def test_rejects_bad_settings(bad):
     with pytest.raises(ValidationError):
         ChatKVBoost(**bad)

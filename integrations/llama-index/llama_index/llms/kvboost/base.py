@@ -26,9 +26,16 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvboost_rag import Generation, KVBoost
-from kvboost_rag.config import check_order, check_strategy
+from kvboost_rag.config import check_doc_context, check_order, check_strategy
 from kvboost_rag.models import parse_dtype
-from kvboost_rag.serving import REPAIR_FIELDS, astream_pieces, model_key, repair_overrides, shared_engine
+from kvboost_rag.serving import (
+    REPAIR_FIELDS,
+    astream_pieces,
+    check_engine_doc_context,
+    model_key,
+    repair_overrides,
+    shared_engine,
+)
 
 # Per-call keyword arguments: `llm.complete(prompt, strategy="full")`.
 _CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", *REPAIR_FIELDS,
@@ -69,6 +76,11 @@ class KVBoostLLM(CustomLLM):
         default=None,
         description="Local folder or hub id of a HuggingFace decoder; None = the bundled SmolLM2-135M-Instruct.")
     dtype: str = Field(default="float32", description="Compute dtype: float32, bfloat16 or float16.")
+    doc_context: str | None = Field(
+        default=None,
+        description="How documents are encoded at ingestion: \"passage\" (after a neutral paragraph, as a later "
+                    "document of a prompt), \"template\" or \"none\" (alone); see kvboost_rag.config."
+                    "ChunkingConfig. None = the default (\"passage\"), or the given engine's own.")
     strategy: str = Field(
         default="cacheblend",
         description="How the assembled prompt cache is repaired: one of kvboost_rag.config.STRATEGIES.")
@@ -117,8 +129,11 @@ class KVBoostLLM(CustomLLM):
     _engine: KVBoost | None = PrivateAttr(default=None)
 
     def __init__(self, engine: KVBoost | None = None, **kwargs: Any) -> None:
-        """`engine`: a pre-built engine; None = the process-wide one for (model, dtype), on first use."""
+        """`engine`: a pre-built engine; None = the process-wide one for (model, dtype, doc_context), on
+        first use."""
         super().__init__(**kwargs)
+        if engine is not None:
+            check_engine_doc_context(engine, self.doc_context)
         self._engine = engine
 
     @field_validator("strategy")
@@ -130,6 +145,11 @@ class KVBoostLLM(CustomLLM):
     @classmethod
     def _known_order(cls, value: str | None) -> str | None:
         return value if value is None else check_order(value)
+
+    @field_validator("doc_context")
+    @classmethod
+    def _known_doc_context(cls, value: str | None) -> str | None:
+        return value if value is None else check_doc_context(value)
 
     @field_validator("dtype")
     @classmethod
@@ -145,7 +165,7 @@ class KVBoostLLM(CustomLLM):
     def client(self) -> KVBoost:
         """The engine this LLM runs on (loads the model on first use)."""
         if self._engine is None:
-            self._engine = shared_engine(self.model, self.dtype)
+            self._engine = shared_engine(self.model, self.dtype, self.doc_context)
         return self._engine
 
     @property
