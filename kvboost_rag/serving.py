@@ -54,7 +54,8 @@ def shared_engine(model: str | None = None, dtype: str = "float32", doc_context:
     """The process-wide engine for (model, dtype, doc_context), loaded on first use.
 
     `doc_context` (ChunkingConfig.doc_context; None = its default) decides how documents are encoded
-    at ingestion, so engines that differ in it keep different stores; each loads the model once.
+    at ingestion, so engines that differ in it keep different stores, and each loads its own copy of the
+    model (an engine's lock guards the forwards of its own model only).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
