@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvboost_rag import EngineConfig, KVBoost, RepairConfig
+from kvboost_rag import ChunkingConfig, EngineConfig, KVBoost, RepairConfig, StoreConfig
 from kvboost_rag.bench.data import bundled
 from kvboost_rag.bench.run import kl
 
@@ -85,8 +85,6 @@ def test_cacheblend_everything_matches_full_prefill(real_engine, docs, rag_promp
 
 
 def test_template_context_ingestion_stores_documents_after_the_chat_opening(real_loaded, docs, rag_prompt):
-    from kvboost_rag import ChunkingConfig
-
     engine = KVBoost(real_loaded, EngineConfig(chunking=ChunkingConfig(doc_context="template")))
     plain = KVBoost(real_loaded, EngineConfig())
     assert engine.fingerprint != plain.fingerprint
@@ -104,8 +102,6 @@ def test_passage_context_stores_documents_closer_to_their_kv_inside_a_prompt(rea
     """Why doc_context="passage" helps: every document stored alone carries a prompt start's KV (its first
     token a sink), wherever it is placed; encoded after a passage it is nearer what a full prefill computes
     for a document after others."""
-    from kvboost_rag import ChunkingConfig
-
     prompt = rag_prompt(docs[:4], "Who founded the Halvard Brewing Company?")
     distance = {}
     for context in ("none", "passage"):
@@ -138,8 +134,6 @@ def test_bench_command_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("bits", [8])
 def test_quantized_store_serves_close_answers(real_loaded, docs, rag_prompt, bits):
-    from kvboost_rag import StoreConfig
-
     exact = KVBoost(real_loaded, EngineConfig())
     quant = KVBoost(real_loaded, EngineConfig(store=StoreConfig(kv_bits=bits)))
     prompt = rag_prompt(docs[::-1], "Who founded the Halvard Brewing Company?")
