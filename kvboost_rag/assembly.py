@@ -67,43 +67,90 @@ class Plan:
         return sum(len(c.token_ids) for c in self.chunks if c.source == source)
 
 
-def split_segments(prompt: str, index: DocumentIndex) -> list[str | Document]:
-    """The prompt as alternating fixed text (str) and ingested documents, in order."""
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A rendered prompt as the model's tokenizer cuts it, with the ingested documents found in it."""
+
+    chunks: list[tuple[tuple[int, ...], bool]]  # (token ids, is_document) in order, as `plan` takes them
+    segments: list[str | Document]  # the prompt's text: fixed text and the documents used, in order
+
+
+def tokenize_prompt(prompt: str, index: DocumentIndex, tokenizer, max_chunk_tokens: int,
+                    bos_ids: tuple[int, ...] = (), special_ids: frozenset[int] = frozenset()) -> TokenizedPrompt:
+    """The prompt's chunks, its token ids exactly those the tokenizer gives for the whole prompt.
+
+    The prompt is tokenized once, whole. A document found in its text is used only where the prompt's
+    own tokens over that text are the document's tokens, starting and ending on token boundaries:
+    "cat" inside "concatenation", or a document glued to the word before it, stays plain text. So every
+    strategy, `full` included, sees the tokens a plain tokenizer call gives, and a stored chunk is
+    only ever placed over the very tokens it was computed for."""
+    enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = tuple(enc["input_ids"]), enc["offset_mapping"]
+    # Characters -> token boundaries. A character split over several byte tokens gives them one span:
+    # its first token starts the span, its last ends it.
+    token_at_start: dict[int, int] = {}
+    token_after_end: dict[int, int] = {}
+    for i, (a, b) in enumerate(offsets):
+        if b > a:
+            token_at_start.setdefault(a, i)
+            token_after_end[b] = i + 1
+    docs: list[tuple[int, int, Document]] = []  # token [start, end) of each document used
     segments: list[str | Document] = []
     cursor = 0
     for span in index.find(prompt):
+        first, after = token_at_start.get(span.start), token_after_end.get(span.end)
+        if first is None or after is None or ids[first:after] != span.document.token_ids:
+            continue
+        if docs and first < docs[-1][1]:
+            continue
+        docs.append((first, after, span.document))
         if span.start > cursor:
             segments.append(prompt[cursor:span.start])
         segments.append(span.document)
         cursor = span.end
     if cursor < len(prompt):
         segments.append(prompt[cursor:])
-    return segments
 
-
-def tokenize_segments(segments: list[str | Document], tokenizer, max_chunk_tokens: int,
-                      bos_ids: tuple[int, ...] = (),
-                      special_ids: frozenset[int] = frozenset()) -> list[tuple[tuple[int, ...], bool]]:
-    """(token ids, is_document) for every chunk of the prompt, in order.
-
-    Fixed text is also cut before every special token (a chat turn's start or end), so a prompt
-    extended by a new turn shares all of its earlier turns' chunks with the prompt before it."""
+    shift = 0
+    if ids[:len(bos_ids)] != bos_ids:
+        ids, shift = bos_ids + ids, len(bos_ids)
     chunks: list[tuple[tuple[int, ...], bool]] = []
-    for i, seg in enumerate(segments):
-        if isinstance(seg, Document):
-            chunks.extend((tokens, True) for tokens in seg.chunk_tokens())
-            continue
-        ids = tuple(tokenizer(seg, add_special_tokens=False)["input_ids"])
+    at = 0
+    for first, after, doc in docs:
+        chunks += _text_chunks(ids[at:first + shift], max_chunk_tokens, special_ids)
+        chunks += [(tokens, True) for tokens in doc.chunk_tokens()]
+        at = after + shift
+    chunks += _text_chunks(ids[at:], max_chunk_tokens, special_ids)
+    return TokenizedPrompt(chunks, segments)
+
+
+def _text_chunks(ids: tuple[int, ...], max_chunk_tokens: int,
+                 special_ids: frozenset[int]) -> list[tuple[tuple[int, ...], bool]]:
+    """Fixed text cut before every special token (a chat turn's start or end), so that a prompt extended by
+    a new turn shares all of its earlier turns' chunks with the prompt before it, and into pieces of at
+    most `max_chunk_tokens`."""
+    chunks, start = [], 0
+    for cut in [j for j, t in enumerate(ids) if j > 0 and t in special_ids] + [len(ids)]:
+        chunks += [(ids[j:min(j + max_chunk_tokens, cut)], False) for j in range(start, cut, max_chunk_tokens)]
+        start = cut
+    return chunks
+
+
+def tokenize_texts(texts: list[str], tokenizer, max_chunk_tokens: int, bos_ids: tuple[int, ...] = (),
+                   special_ids: frozenset[int] = frozenset()) -> list[tuple[tuple[int, ...], bool]]:
+    """Chunks of texts tokenized one by one (an ingestion context: its parts end where a document starts)."""
+    chunks: list[tuple[tuple[int, ...], bool]] = []
+    for i, text in enumerate(texts):
+        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
         if i == 0 and ids[:len(bos_ids)] != bos_ids:
             ids = bos_ids + ids
-        cuts = [j for j, t in enumerate(ids) if j > 0 and t in special_ids] + [len(ids)]
-        start = 0
-        for cut in cuts:
-            chunks.extend((ids[j:min(j + max_chunk_tokens, cut)], False) for j in range(start, cut, max_chunk_tokens))
-            start = cut
-    if not chunks and bos_ids:
-        chunks.append((bos_ids, False))
-    return [c for c in chunks if c[0]]
+        chunks += _text_chunks(ids, max_chunk_tokens, special_ids)
+    return chunks
+
+
+def segments_text(segments: list[str | Document]) -> str:
+    """The prompt text of `segments` (after reordering them, say)."""
+    return "".join(seg if isinstance(seg, str) else seg.text for seg in segments)
 
 
 def plan(chunks: list[tuple[tuple[int, ...], bool]], fingerprint: str, store: KVStore | None,

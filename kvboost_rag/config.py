@@ -3,37 +3,93 @@
 Per-request state (the prompt, the strategy chosen for it) lives in the engine's call arguments,
 never here. Anything that changes the numbers in a stored KV chunk is part of `ChunkingConfig` and
 so of the model fingerprint (see `keys.model_fingerprint`).
+
+Every field is checked when a config is made (`__post_init__`, so `dataclasses.replace` checks too):
+a value out of range raises a `ConfigError` (a ValueError) naming the field, the value and the range,
+instead of running as some other setting. What depends on the model (the number of layers) is checked
+by `check_for_model` once the model is known. This module imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from pathlib import Path
 
 DOC_CONTEXTS = ("none", "template", "passage")
 STRATEGIES = ("full", "prefix", "naive", "selective", "cacheblend", "queryaware")
 # queryaware: documents in the prompt's order, or the ones the question needs moved last.
 QA_ORDERS = ("prompt", "relevance_last")
+# queryaware: what of the reused documents after the first chosen one is also recomputed.
+QA_AFTERS = ("none", "all", "attn")
+# cacheblend: how reused tokens are ranked, by KV deviation (the method) or at random (the control).
+SELECTS = ("deviation", "random")
+# Names of the compute dtypes (models.DTYPES) and the stored KV precisions (store.quant.SUPPORTED_BITS),
+# repeated here so that a config can be checked without importing torch; a unit test keeps them equal.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+KV_BITS = (16, 8, 4)
+# torch.Generator.manual_seed takes seeds below this.
+SEED_LIMIT = 2**64
+
+
+class ConfigError(ValueError):
+    """A setting out of its range or of an unknown name; `field` is the setting's name (the CLI names
+    the flag it came from)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_int(config, name: str, low: int, high: int | None = None, hint: str = "") -> None:
+    """A ConfigError unless `config.<name>` is an integer in [low, high] (no upper bound when None)."""
+    value = getattr(config, name)
+    if _is_int(value) and low <= value and (high is None or value <= high):
+        return
+    span = f">= {low}" if high is None else f"in [{low}, {'2**64 - 1' if high == SEED_LIMIT - 1 else high}]"
+    raise ConfigError(name, f"{type(config).__name__}.{name} must be an integer {span}, got {value!r}"
+                            + (f" ({hint})" if hint else ""))
+
+
+def check_number(config, name: str, low: float, high: float = math.inf, *, above: bool = False,
+                 hint: str = "") -> None:
+    """A ConfigError unless `config.<name>` is a finite number in [low, high] ((low, high] with `above`)."""
+    value = getattr(config, name)
+    if (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+            and (low < value if above else low <= value) and value <= high):
+        return
+    span = (f"> {low:g}" if above else f">= {low:g}") if high == math.inf else \
+        f"in {'(' if above else '['}{low:g}, {high:g}]"
+    raise ConfigError(name, f"{type(config).__name__}.{name} must be a finite number {span}, got {value!r}"
+                            + (f" ({hint})" if hint else ""))
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if not isinstance(value, type(choices[0])) or value not in choices:
+        raise ConfigError(name, f"unknown {name} {value!r}; use one of {', '.join(map(str, choices))}")
 
 
 def check_strategy(strategy: str) -> str:
     """The strategy name, or a ValueError listing the known ones."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    _check_choice("strategy", strategy, STRATEGIES)
     return strategy
 
 
 def check_doc_context(doc_context: str) -> str:
     """The ingestion context's name (ChunkingConfig.doc_context), or a ValueError listing the known ones."""
-    if doc_context not in DOC_CONTEXTS:
-        raise ValueError(f"unknown doc_context {doc_context!r}; use one of {', '.join(DOC_CONTEXTS)}")
+    _check_choice("doc_context", doc_context, DOC_CONTEXTS)
     return doc_context
 
 
 def check_order(order: str) -> str:
     """The queryaware document order, or a ValueError listing the known ones."""
-    if order not in QA_ORDERS:
-        raise ValueError(f"unknown qa_order {order!r}; use one of {', '.join(QA_ORDERS)}")
+    _check_choice("qa_order", order, QA_ORDERS)
     return order
 
 
@@ -47,6 +103,10 @@ class ChunkingConfig:
     # but "none" the document's first token is not an attention sink; with "passage" its KV does not look
     # like a prompt's first document either, which every reused document otherwise claims to be.
     doc_context: str = "passage"
+
+    def __post_init__(self):
+        check_int(self, "max_chunk_tokens", 1, hint="tokens per stored chunk")
+        check_doc_context(self.doc_context)
 
 
 @dataclass(frozen=True)
@@ -101,6 +161,27 @@ class RepairConfig:
     # the others before recomputing them (changes the prompt: no stale distractor follows the answer).
     qa_order: str = "prompt"
 
+    def __post_init__(self):
+        check_int(self, "boundary_tokens", 0, hint="selective: 0 recomputes no reused token")
+        check_int(self, "check_layer", 0, hint="and below the model's number of layers")
+        check_number(self, "recompute_ratio", 0.0, 1.0, hint="0 repairs nothing, as naive; 1 recomputes every "
+                                                             "reused token, as full")
+        check_number(self, "taper", 1.0, hint="1 keeps one set for all layers")
+        check_number(self, "recency", 0.0, hint="0 weighs every position alike")
+        check_int(self, "size_multiple", -1, hint="-1 = auto, 0 = exact counts")
+        if not isinstance(self.drift, bool):
+            raise ConfigError("drift", f"RepairConfig.drift must be True or False, got {self.drift!r}")
+        check_number(self, "drift_strength", 0.0, 1.0, hint="0 serves the K/V as stored, 1 maps it as fitted")
+        _check_choice("select", self.select, SELECTS)
+        check_int(self, "seed", 0, SEED_LIMIT - 1)
+        check_int(self, "qa_heads", 1)
+        check_int(self, "qa_calib_items", 1)
+        check_int(self, "qa_docs", 0, hint="0 recomputes no document")
+        _check_choice("qa_after", self.qa_after, QA_AFTERS)
+        check_number(self, "qa_after_ratio", 0.0, 1.0)
+        check_number(self, "qa_damp", 0.0, hint="0 = off")
+        check_order(self.qa_order)
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -112,6 +193,26 @@ class StoreConfig:
     kv_bits: int = 16
     # Quantization group size along the quantized axis.
     group_size: int = 64
+    # Permissions of the files written under disk_dir (the folder gets the matching x bits). The store
+    # holds every ingested document's text and its KV, so by default only the owner can read it;
+    # 0o640 shares it with the group, 0o644 with everyone.
+    file_mode: int = 0o600
+
+    def __post_init__(self):
+        if self.memory_budget_bytes is not None:
+            check_int(self, "memory_budget_bytes", 0, hint="None = no limit")
+        if self.disk_dir is not None and not isinstance(self.disk_dir, (str, os.PathLike)):
+            raise ConfigError("disk_dir", f"StoreConfig.disk_dir must be a folder path or None, got {self.disk_dir!r}")
+        if not _is_int(self.kv_bits) or self.kv_bits not in KV_BITS:
+            raise ConfigError("kv_bits", f"StoreConfig.kv_bits must be one of {', '.join(map(str, KV_BITS))}, got "
+                                         f"{self.kv_bits!r} (16 keeps the compute dtype, 8 and 4 quantize)")
+        check_int(self, "group_size", 1)
+        # The store reads back and replaces what it writes: the owner keeps read and write.
+        if not _is_int(self.file_mode) or not 0 <= self.file_mode <= 0o777 or self.file_mode & 0o600 != 0o600:
+            shown = oct(self.file_mode) if _is_int(self.file_mode) else repr(self.file_mode)
+            raise ConfigError("file_mode", f"StoreConfig.file_mode must be a permission mode (0 to 0o777) that "
+                                           f"keeps the owner's read and write bits (0o600, 0o640, 0o644...), "
+                                           f"got {shown}")
 
 
 @dataclass(frozen=True)
@@ -120,3 +221,20 @@ class EngineConfig:
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+        for name, kind in (("chunking", ChunkingConfig), ("repair", RepairConfig), ("store", StoreConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(name, f"EngineConfig.{name} must be a {kind.__name__}, got "
+                                        f"{type(getattr(self, name)).__name__}")
+
+
+def check_for_model(repair: RepairConfig, num_layers: int) -> RepairConfig:
+    """`repair`, or a ConfigError when a setting does not fit a model of `num_layers` layers: what the
+    dataclass cannot check alone. The engine calls it for its own config and for a per-request one."""
+    if repair.check_layer >= num_layers:
+        raise ConfigError("check_layer", f"RepairConfig.check_layer must be below the model's {num_layers} layers "
+                                         f"(0 to {num_layers - 1}), got {repair.check_layer}")
+    return repair

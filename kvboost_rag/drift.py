@@ -30,10 +30,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
+
+from .store.disk import make_dir, write_atomic
 
 VERSION = 2
 RIDGE = 1e-2  # keeps the normal equations well posed for channels that barely vary
@@ -186,12 +188,12 @@ def fit(engine, prompts: Sequence, places: int = 1) -> DriftMaps:
     return DriftMaps(maps[0].contiguous(), maps[1].contiguous(), used)
 
 
-def save(maps: DriftMaps, path: Path, fingerprint: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({"keys": maps.keys, "values": maps.values}, str(tmp),
-              metadata={"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts)})
-    tmp.replace(path)
+def save(maps: DriftMaps, path: Path, fingerprint: str, mode: int = 0o600) -> None:
+    """Write the maps atomically with permissions `mode` (StoreConfig.file_mode: they sit in the store folder)."""
+    make_dir(path.parent, mode)
+    meta = {"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts)}
+    data = safetensors.torch.save({"keys": maps.keys, "values": maps.values}, metadata=meta)
+    write_atomic(path, data, mode)
 
 
 def load(path: Path, fingerprint: str, adapter) -> DriftMaps | None:

@@ -29,10 +29,20 @@ from tqdm.auto import tqdm
 from . import drift, models
 from . import keys as keyring
 from .adapter import ModelAdapter
-from .assembly import COMPUTE, EXACT, Plan, assemble, plan, split_segments, tokenize_segments
+from .assembly import (
+    COMPUTE,
+    EXACT,
+    Plan,
+    TokenizedPrompt,
+    assemble,
+    plan,
+    segments_text,
+    tokenize_prompt,
+    tokenize_texts,
+)
 from .calibration import document_spans, retrieval_heads, template_suffix_tokens
 from .chunking import chunk_document
-from .config import EngineConfig, check_doc_context, check_strategy
+from .config import EngineConfig, check_doc_context, check_for_model, check_strategy
 from .documents import Document, DocumentIndex
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
@@ -111,18 +121,21 @@ class KVBoost:
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.adapter = ModelAdapter(loaded.model)
+        check_for_model(config.repair, self.adapter.num_layers)
         self.model_id = loaded.model_id
-        self.fingerprint = keyring.model_fingerprint(
-            model_id=loaded.model_id, weights_digest=loaded.weights_digest,
-            dtype=models.dtype_name(self.adapter.dtype), tokenizer_digest=_tokenizer_digest(self.tokenizer),
-            encoding={"chunking": dataclasses.asdict(config.chunking)})
-        self.store = store if store is not None else make_store(config.store, self.fingerprint)
-        disk_dir = config.store.disk_dir
-        self.documents = DocumentIndex(Path(disk_dir) / f"documents-{self.fingerprint[:16]}.jsonl"
-                                       if disk_dir else None)
         self._bos_ids = _bos_ids(self.tokenizer)
         self._special_ids = frozenset(i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special)
         self._doc_context = self._context_chunks(config.chunking.doc_context)
+        self.fingerprint = keyring.model_fingerprint(
+            model_id=loaded.model_id, weights_digest=loaded.weights_digest,
+            config_digest=models.config_digest(loaded.model.config), dtype=models.dtype_name(self.adapter.dtype),
+            tokenizer_digest=_tokenizer_digest(self.tokenizer),
+            encoding={"chunking": dataclasses.asdict(config.chunking),
+                      "context": [list(tokens) for tokens, _ in self._doc_context]})
+        self.store = store if store is not None else make_store(config.store, self.fingerprint)
+        disk_dir = config.store.disk_dir
+        self.documents = DocumentIndex(Path(disk_dir) / f"documents-{self.fingerprint[:16]}.jsonl"
+                                       if disk_dir else None, file_mode=config.store.file_mode)
         self._eos_ids = _eos_ids(loaded.model, self.tokenizer)
         self._blended = None
         # One forward at a time: the model and the store's write-back are shared by all callers.
@@ -161,7 +174,7 @@ class KVBoost:
 
     def document(self, text: str) -> Document:
         """The ingested form of a document's text (tokens and chunks), made if needed; not stored."""
-        if not isinstance(text, str) or not text.strip():
+        if not check_text(text, "the document").strip():
             raise ValueError("empty document: every document needs some text; drop empty ones before ingesting")
         text = text.strip()
         known = self.documents.get(text)
@@ -181,26 +194,47 @@ class KVBoost:
             raise ValueError(f"document {index}: {e}") from None
         context = self._doc_context
         keys = keyring.chain(self.fingerprint, [tokens for tokens, _ in context] + doc.chunk_tokens())
+        offset = sum(len(tokens) for tokens, _ in context)
+        ends = list(itertools.accumulate(len(tokens) for tokens, _ in context))
+        spans = list(zip([0, *ends], ends, strict=False)) + [(offset + c.start, offset + c.end) for c in doc.chunks]
         with self.lock:
             stored = all(self.store.contains(pkey) for pkey, _ in keys)
             self.counters["documents_stored" if stored else "documents_computed"] += 1
-            if not stored:
-                # The form a content hit is re-rotated from: the document after its ingestion context.
-                ids = torch.tensor([t for tokens, _ in context for t in tokens] + list(doc.token_ids))
-                n, offset = ids.shape[0], sum(len(tokens) for tokens, _ in context)
-                cache = self.adapter.new_buffers(n)
-                with torch.inference_mode():
-                    self.adapter.run_layers(self.adapter.embed(ids), torch.arange(n), cache,
-                                            range(self.adapter.num_layers), n)
-                # Stored only once every chunk is computed: nothing half-computed is ever stored.
-                ends = list(itertools.accumulate(len(tokens) for tokens, _ in context))
-                spans = list(zip([0, *ends], ends, strict=False))
-                spans += [(offset + c.start, offset + c.end) for c in doc.chunks]
+            cache = None if stored else self._encode_after_context(doc)
+            # Stored only once every chunk is computed: nothing half-computed is ever stored. The context
+            # chunks every document shares are written once, not once per document.
+            pinned: list[bytes] = []
+            try:
                 for (start, end), (pkey, ckey) in zip(spans, keys, strict=True):
-                    k, v = cache.read(start, end)
-                    self.store.put(KVEntry(k, v, tuple(ids[start:end].tolist()), start, pkey, ckey), pin=pin)
+                    if self.store.contains(pkey):
+                        if not pin or self.store.is_pinned(pkey):
+                            continue
+                        if self.store.pin(pkey):  # stored, not pinned yet: pinned as it is stored
+                            pinned.append(pkey)
+                            continue
+                    if cache is None:  # listed as stored, but gone or unreadable since
+                        cache = self._encode_after_context(doc)
+                    k, v = cache[1].read(start, end)
+                    self.store.put(KVEntry(k, v, tuple(cache[0][start:end].tolist()), start, pkey, ckey), pin=pin)
+                    if pin:
+                        pinned.append(pkey)
+            except ValueError:
+                # A pin that does not fit the budget: this document pins nothing rather than its first chunks.
+                for pkey in pinned:
+                    self.store.unpin(pkey)
+                raise
             self.documents.add(doc)
         return doc
+
+    def _encode_after_context(self, doc: Document) -> tuple[torch.Tensor, KVBuffers]:
+        """The form a content hit is re-rotated from: the document after its ingestion context.
+        Returns (token ids [N], their K/V)."""
+        ids = torch.tensor([t for tokens, _ in self._doc_context for t in tokens] + list(doc.token_ids))
+        cache = self.adapter.new_buffers(ids.shape[0])
+        with torch.inference_mode():
+            self.adapter.run_layers(self.adapter.embed(ids), torch.arange(ids.shape[0]), cache,
+                                    range(self.adapter.num_layers), ids.shape[0])
+        return ids, cache
 
     def _context_chunks(self, doc_context: str) -> list[tuple[tuple[int, ...], bool]]:
         """The chunks a document is encoded after at ingestion (see ChunkingConfig.doc_context)."""
@@ -217,11 +251,13 @@ class KVBoost:
         segments = [opening] if opening else []
         if doc_context == "passage":
             segments += [CONTEXT_PASSAGE, "\n\n"]  # each tokenized apart, as a prompt's documents and separators
-        return tokenize_segments(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
-                                 self._special_ids)
+        return tokenize_texts(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
+                              self._special_ids)
 
     def close(self) -> None:
-        """Flush and release the store (the disk tier's index is written here)."""
+        """Flush and release the store (the disk tier's index is written here), and write any document
+        record a full or read-only folder held back."""
+        self.documents.flush()
         self.store.close()
 
     def __enter__(self) -> KVBoost:
@@ -235,16 +271,25 @@ class KVBoost:
     def render(self, prompt: str | Messages) -> str:
         """A chat (list of {"role", "content"}) through the model's chat template; a string as it is."""
         if isinstance(prompt, str):
-            return prompt
+            return check_text(prompt, "the prompt")
+        if isinstance(prompt, (bytes, bytearray)):
+            check_text(prompt, "the prompt")
+        for message in prompt:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, (str, bytes, bytearray)):
+                check_text(content, "a message's content")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.model_id} has no chat template: pass the prompt as a plain string")
         return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
 
+    def tokenize(self, text: str) -> TokenizedPrompt:
+        """A rendered prompt's chunks, with the ingested documents it holds on its own token boundaries."""
+        return tokenize_prompt(text, self.documents, self.tokenizer, self.config.chunking.max_chunk_tokens,
+                               self._bos_ids, self._special_ids)
+
     def plan(self, prompt: str | Messages, strategy: str) -> Plan:
         check_strategy(strategy)
-        segments = split_segments(self.render(prompt), self.documents)
-        chunks = tokenize_segments(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
-                                   self._special_ids)
+        chunks = self.tokenize(self.render(prompt)).chunks
         if not chunks:
             raise ValueError("empty prompt: give some text to answer")
         use_exact = strategy != "full"
@@ -256,7 +301,7 @@ class KVBoost:
                 write_back: bool = True, repair=None) -> Prefill:
         """Assemble and prefill the prompt's cache with room for `max_new_tokens` more tokens."""
         started = time.perf_counter()
-        repair = repair or self.config.repair
+        repair = check_for_model(repair or self.config.repair, self.adapter.num_layers)
         with self.lock:
             # queryaware reuses what naive reuses (exact and content hits), then repairs its own way.
             p = self.plan(prompt, "naive" if strategy == "queryaware" else strategy)
@@ -338,7 +383,7 @@ class KVBoost:
                                                              layout or drift.bare_layout), places)
             self.drift = maps
             if self.drift_path is not None:
-                drift.save(maps, self.drift_path, self.fingerprint)
+                drift.save(maps, self.drift_path, self.fingerprint, mode=self.config.store.file_mode)
         return maps
 
     def _queryaware_in_place(self, p: Plan, cache: KVBuffers, repair) -> tuple[torch.Tensor, int]:
@@ -355,15 +400,18 @@ class KVBoost:
         check_config(repair)
         heads = list(self._retrieval_heads(repair).heads[:max(repair.qa_heads, 1)])
         spans = document_spans(p)
-        segments = split_segments(self.render(prompt), self.documents)
+        segments = self.tokenize(self.render(prompt)).segments
         if not spans or repair.qa_docs <= 0 or len(spans) != sum(isinstance(s, Document) for s in segments):
             # Documents back to back (no text between them) share a span: keep the prompt's order.
             return p, cache, *self._queryaware_in_place(p, cache, repair)
         scores, _, _ = rank_documents(self.adapter, cache, p, spans, heads, template_suffix_tokens(self))
         chosen = top_documents(scores, repair.qa_docs)
-        chunks = tokenize_segments(move_last(segments, chosen), self.tokenizer, self.config.chunking.max_chunk_tokens,
-                                   self._bos_ids, self._special_ids)
-        p = plan(chunks, self.fingerprint, self.store, True, True)
+        moved = plan(self.tokenize(segments_text(move_last(segments, chosen))).chunks, self.fingerprint, self.store,
+                     True, True)
+        if len(document_spans(moved)) != len(spans):
+            # A moved document no longer sits on its own token boundaries: keep the prompt's order.
+            return p, cache, *self._queryaware_in_place(p, cache, repair)
+        p = moved
         cache = assemble(p, self.adapter, p.num_tokens + max_new_tokens, drift=self._drift_maps(repair))
         k, spans = len(spans), document_spans(p)
         # The chosen documents, now the last ones, run every layer; the others get CacheBlend's repair.
@@ -406,7 +454,7 @@ class KVBoost:
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (),
                seed: int | None = None, repair=None, write_back: bool = True) -> Iterator[StreamPiece]:
         """Prefill with `strategy`, then decode; yields text as it comes, the figures on the last piece."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop), seed)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop, seed)
         pre = self.prefill(prompt, strategy, max_new_tokens=max_new_tokens, repair=repair, write_back=write_back)
         return self.stream_from(pre, params)
 
@@ -449,8 +497,28 @@ class KVBoost:
 
 
 def _tokenizer_digest(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items())
-    return xxhash.xxh3_64_hexdigest(repr((type(tokenizer).__name__, vocab)).encode())
+    """A hash of everything that decides token ids: the whole tokenizer (vocabulary, merges, normalizer,
+    pre-tokenizer, added tokens) where it can be serialized, else its vocabulary and added tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        described = backend.to_str()
+    else:
+        described = repr((sorted(tokenizer.get_vocab().items()), sorted(tokenizer.added_tokens_decoder)))
+    return xxhash.xxh3_128_hexdigest(f"{type(tokenizer).__name__}:{described}".encode())
+
+
+def check_text(text: object, what: str) -> str:
+    """`text` when it is a str a tokenizer can take; else a ValueError that says what to pass instead."""
+    if isinstance(text, (bytes, bytearray)):
+        raise ValueError(f"{what} is bytes, not text: decode it first, e.g. data.decode('utf-8')")
+    if not isinstance(text, str):
+        raise ValueError(f"{what} is {type(text).__name__}, not text: pass a str (a document's or prompt's text)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not "
+                         "valid Unicode: repair the text, e.g. text.encode('utf-8', 'replace').decode()") from None
+    return text
 
 
 def _bos_ids(tokenizer) -> tuple[int, ...]:

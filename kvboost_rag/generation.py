@@ -6,21 +6,37 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import SEED_LIMIT, ConfigError, check_int, check_number
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How tokens are chosen; checked when made, so a bad value is refused before any prefill."""
+
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 = no top-k cut
     stop: tuple[str, ...] = ()
     seed: int | None = None
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        check_int(self, "max_new_tokens", 1)
+        check_number(self, "temperature", 0.0, hint="0 = greedy")
+        check_number(self, "top_p", 0.0, 1.0, above=True, hint="1 = no nucleus cut")
+        check_int(self, "top_k", 0, hint="0 = no top-k cut")
+        if isinstance(self.stop, str):
+            raise ConfigError("stop", f"SamplingParams.stop must be a list of strings, got the string {self.stop!r}: "
+                                      f"wrap it, stop=[{self.stop!r}]")
+        try:
+            stop = tuple(self.stop or ())
+        except TypeError:
+            stop = None
+        if stop is None or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError("stop", f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)  # any sequence of strings, kept as a tuple
+        if self.seed is not None:
+            check_int(self, "seed", 0, SEED_LIMIT - 1, hint="or None for an unseeded sampler")
 
 
 def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

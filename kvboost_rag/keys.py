@@ -18,14 +18,17 @@ import numpy as np
 import xxhash
 
 KEY_BYTES = 16
+# Bumped whenever the way a chunk is computed or keyed changes, so no store of an older release is hit.
+FORMAT_VERSION = 2
 
 
-def model_fingerprint(*, model_id: str, weights_digest: str, dtype: str, tokenizer_digest: str,
-                      encoding: dict) -> str:
-    """Everything that changes the numbers in a stored chunk, hashed to a hex string."""
+def model_fingerprint(*, model_id: str, weights_digest: str, config_digest: str, dtype: str,
+                      tokenizer_digest: str, encoding: dict) -> str:
+    """Everything that changes the numbers in a stored chunk, hashed to a hex string: the weights, the
+    model's config, the compute dtype, the tokenizer, and how documents are encoded at ingestion."""
     blob = json.dumps(
-        {"model": model_id, "weights": weights_digest, "dtype": dtype, "tokenizer": tokenizer_digest,
-         "encoding": encoding},
+        {"format": FORMAT_VERSION, "model": model_id, "weights": weights_digest, "config": config_digest,
+         "dtype": dtype, "tokenizer": tokenizer_digest, "encoding": encoding},
         sort_keys=True,
     )
     return xxhash.xxh3_128_hexdigest(blob.encode())

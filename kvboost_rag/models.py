@@ -8,6 +8,7 @@ folder; later loads take well under a second.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -56,6 +57,15 @@ def file_digest(paths: list[Path]) -> str:
             while block := f.read(1 << 24):
                 h.update(block)
     return h.hexdigest()
+
+
+def config_digest(config) -> str:
+    """A hash of the model's configuration: RoPE base and scaling, norm epsilon, sliding window, soft-caps...
+    Everything in it can change the numbers of a stored chunk, so a store made under another config.json
+    must never be hit. Private keys (`_name_or_path`, `_attn_implementation`...) and the writer's version
+    name a file or a runtime choice, not the model's arithmetic, and are left out."""
+    settings = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    return xxhash.xxh3_128_hexdigest(json.dumps(settings, sort_keys=True, default=str).encode())
 
 
 def bundled_gguf() -> Path:

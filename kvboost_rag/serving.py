@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .config import ChunkingConfig, EngineConfig, RepairConfig, check_doc_context
+from .config import ChunkingConfig, EngineConfig, RepairConfig, check_doc_context, check_for_model
 from .engine import KVBoost, StreamPiece
+from .generation import SamplingParams
 from .models import BUNDLED_NAME, DTYPES
 
 # The repair knobs both LLM classes take as fields and as per-call arguments (RepairConfig field names).
@@ -36,10 +37,29 @@ _WORKERS: weakref.WeakKeyDictionary[KVBoost, ThreadPoolExecutor] = weakref.WeakK
 _DONE = object()
 
 
-def repair_overrides(engine: KVBoost, values: dict) -> RepairConfig | None:
-    """The engine's repair config with the knobs given a value (not None) replaced; None when none is."""
+def check_repair_knobs(values: dict) -> dict:
+    """The knobs given a value (not None), each checked against RepairConfig's ranges: a ValueError naming
+    the knob, its value and its range comes before any model is loaded."""
     given = {name: value for name, value in values.items() if value is not None}
-    return dataclasses.replace(engine.config.repair, **given) if given else None
+    if given:
+        dataclasses.replace(RepairConfig(), **given)
+    return given
+
+
+def check_sampling(call: dict) -> dict:
+    """`call` (`KVBoost.stream` keyword arguments) with its sampling values checked as SamplingParams checks
+    them, before any model is loaded, and its stop strings as a tuple (a bare string is refused, not split)."""
+    params = SamplingParams(**{f.name: call[f.name] for f in dataclasses.fields(SamplingParams) if f.name in call})
+    return {**call, "stop": params.stop} if "stop" in call else call
+
+
+def repair_overrides(engine: KVBoost, values: dict) -> RepairConfig | None:
+    """The engine's repair config with the knobs given a value (not None) replaced, checked against the
+    engine's model too (check_layer below its layers); None when none is given."""
+    given = check_repair_knobs(values)
+    if not given:
+        return None
+    return check_for_model(dataclasses.replace(engine.config.repair, **given), engine.adapter.num_layers)
 
 
 def model_key(model: str | None) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..bench.data import BenchItem
 from ..bench.run import render_prompt
-from .common import add_engine_options, add_strategy_option, make_engine, read_documents
+from .common import add_engine_options, add_strategy_option, engine_config, make_engine, read_documents, sampling_params
 
 
 def add_parser(sub) -> None:
@@ -27,8 +27,11 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     if not args.question.strip():
         raise ValueError("empty question: ask something")
+    # Every setting checked before the documents are read or the model is loaded.
+    sampling_params(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    config = engine_config(args)
     docs = [text.strip() for _, text in read_documents(args.docs)]
-    engine = make_engine(args)
+    engine = make_engine(args, config)
     try:
         return _run(args, engine, docs)
     finally:

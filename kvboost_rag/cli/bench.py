@@ -9,7 +9,8 @@ from pathlib import Path
 from ..bench.data import load_items
 from ..bench.report import plot, table
 from ..bench.run import parse_strategies, run_bench
-from .common import add_engine_options, engine_config, make_engine
+from ..config import ConfigError
+from .common import add_engine_options, count, engine_config, make_engine, sampling_params
 
 
 def add_parser(sub) -> None:
@@ -18,11 +19,11 @@ def add_parser(sub) -> None:
     p.add_argument("--strategies", default="full,prefix,naive,selective,cacheblend",
                    help="comma list; a strategy may carry repair overrides joined by '+', "
                         "e.g. 'cacheblend:recompute_ratio=0.3+select=random'")
-    p.add_argument("--limit", type=int, default=None, help="N items (after --skip)")
-    p.add_argument("--skip", type=int, default=0, help="skip the first N items (a tuning slice, say)")
+    p.add_argument("--limit", type=count(1), default=None, help="N items (after --skip)")
+    p.add_argument("--skip", type=count(0), default=0, help="skip the first N items (a tuning slice, say)")
     # 32: the bundled model often restates the question before the answer; 16 cuts answers off.
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--fit-drift", type=int, default=0, metavar="PROMPTS",
+    p.add_argument("--fit-drift", type=count(0), default=0, metavar="PROMPTS",
                    help="fit drift maps on this many prompts of the ingested documents before measuring "
                         "(untimed; with --store they are saved there and found by later runs); 0 = no")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -32,11 +33,15 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.skip < 0:
-        raise SystemExit("--skip must be >= 0")
+    # Every setting checked before the items are read or the model is loaded.
+    sampling_params(max_new_tokens=args.max_new_tokens)
+    config = engine_config(args)
+    try:
+        specs = parse_strategies(args.strategies, config.repair)
+    except ConfigError as e:
+        raise ConfigError(e.field, f"argument --strategies: {e}") from None
     items = load_items(args.data, limit=None if args.limit is None else args.skip + args.limit)[args.skip:]
-    specs = parse_strategies(args.strategies, engine_config(args).repair)
-    engine = make_engine(args)
+    engine = make_engine(args, config)
     report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens, drift_prompts=args.fit_drift)
     report["command_args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
     print(table(report))

@@ -9,16 +9,26 @@ from pathlib import Path
 from .. import models
 from ..bench.data import load_items
 from ..bench.storage import run_storage_bench, table
-from .common import add_engine_options, engine_config
+from ..config import KV_BITS, STRATEGIES
+from .common import add_engine_options, count, engine_config, sampling_params
+
+
+def bits_list(text: str) -> list[int]:
+    """--bits: "16,8,4" -> [16, 8, 4], each a supported kv_bits."""
+    bits = [b.strip() for b in text.split(",") if b.strip()]
+    if not bits or any(b not in {str(k) for k in KV_BITS} for b in bits):
+        raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(map(str, KV_BITS))}, got {text!r}")
+    return [int(b) for b in bits]
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench-store", help="measure the KV store: bytes per token, disk load against "
                                            "recompute, int8/int4 against the unquantized store")
     p.add_argument("--data", type=Path, required=True, help="bench JSONL; its documents are the corpus")
-    p.add_argument("--limit", type=int, default=None, help="first N items")
-    p.add_argument("--bits", default="16,8,4", help="comma list of kv_bits to measure")
-    p.add_argument("--strategy", default="naive", help="strategy whose answers are compared across stores")
+    p.add_argument("--limit", type=count(1), default=None, help="first N items")
+    p.add_argument("--bits", type=bits_list, default=list(KV_BITS), help="comma list of kv_bits to measure")
+    p.add_argument("--strategy", default="naive", choices=STRATEGIES,
+                   help="strategy whose answers are compared across stores")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--json", type=Path, default=None)
     add_engine_options(p)
@@ -26,10 +36,12 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # Every setting checked before the items are read or the model is loaded.
+    sampling_params(max_new_tokens=args.max_new_tokens)
+    config = engine_config(args)
     items = load_items(args.data, limit=args.limit)
     loaded = models.load(args.model, args.dtype)
-    bits = [int(b) for b in args.bits.split(",")]
-    report = run_storage_bench(loaded, engine_config(args), items, strategy=args.strategy, bits=bits,
+    report = run_storage_bench(loaded, config, items, strategy=args.strategy, bits=args.bits,
                                max_new_tokens=args.max_new_tokens)
     print(table(report))
     if args.json:

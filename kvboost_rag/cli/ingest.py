@@ -7,17 +7,17 @@ import time
 from pathlib import Path
 
 from ..drift import PLACES
-from .common import add_engine_options, make_engine, read_documents
+from .common import add_engine_options, count, engine_config, make_engine, read_documents
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("ingest", help="precompute and store document KV (one document per text file)")
     p.add_argument("paths", nargs="+", type=Path, help="text files or folders of them")
     p.add_argument("--pin", action="store_true", help="never evict these documents from memory")
-    p.add_argument("--fit-drift", type=int, default=0, metavar="PROMPTS",
+    p.add_argument("--fit-drift", type=count(0), default=0, metavar="PROMPTS",
                    help="then fit drift maps on this many prompts of the stored documents (about one full "
                         "prefill each; saved in --store, used by cacheblend from then on); 0 = no")
-    p.add_argument("--drift-places", type=int, default=PLACES, metavar="N",
+    p.add_argument("--drift-places", type=count(1), default=PLACES, metavar="N",
                    help="drift maps for each of a prompt's first N documents (the last serves every later "
                         "one); about the number of documents your retriever returns")
     add_engine_options(p)
@@ -26,9 +26,10 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.fit_drift and not args.store:
-        raise SystemExit("--fit-drift needs --store: the maps are saved next to the stored documents")
+        raise ValueError("--fit-drift needs --store: the maps are saved next to the stored documents")
+    config = engine_config(args)  # checked before the documents are read or the model is loaded
     docs = read_documents(args.paths)
-    engine = make_engine(args)
+    engine = make_engine(args, config)
     try:
         return _run(args, engine, docs)
     finally:

@@ -1,7 +1,10 @@
 """`kvboost-rag store stats|verify|prune DIR`: look after a disk KV store without loading a model.
 
-stats reads only file headers (fast); verify reads every file and checks its checksum; prune
-removes damaged files, then optionally the least recently used ones to meet a size or age limit.
+stats reads only file headers (fast); verify reads every file and checks it as its kind says (K/V
+files, document indexes record by record, drift maps, the tier's index), listing temp files and files
+that are not ours; prune removes damaged files and left-over temp files, drops a document index's bad
+records, then optionally removes the least recently used K/V files to meet a size or age limit. Intact
+document indexes and drift maps are never removed: they are not recomputed by just using the store.
 """
 
 from __future__ import annotations
@@ -13,15 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from kvboost_rag.store.disk import (
-    SUFFIX,
-    TEMP_SUFFIX,
-    BadEntryFile,
-    list_entry_files,
-    prune_dir,
-    read_header,
-    verify_dir,
-)
+from kvboost_rag.store.disk import BadEntryFile, file_kind, prune_dir, read_header, verify_dir
 
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
@@ -37,8 +32,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     commands = parser.add_subparsers(dest="store_command", required=True, metavar="{stats,verify,prune}")
 
     stats = commands.add_parser("stats", help="files, bytes, tokens and models in DIR (headers only)")
-    verify = commands.add_parser("verify", help="read every file in DIR and check it; exit 1 if any is bad")
-    prune = commands.add_parser("prune", help="remove damaged files, then LRU files to meet the limits")
+    verify = commands.add_parser(
+        "verify", help="read every file in DIR and check it; exit 1 if any is bad or not kvboost-rag's"
+    )
+    prune = commands.add_parser(
+        "prune", help="remove damaged files and left-over temp files, then LRU K/V files to meet the limits"
+    )
     for sub in (stats, verify, prune):
         sub.add_argument("dir", type=Path, metavar="DIR", help="the store's disk_dir")
         sub.add_argument("--json", action="store_true", help="print a JSON report instead of text")
@@ -51,7 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--max-bytes", type=parse_size, help="keep at most this much, e.g. 500M or 20G (1024-based)"
     )
     prune.add_argument("--max-age-days", type=float, help="remove files not read for this many days")
-    prune.add_argument("--remove-foreign", action="store_true", help="also remove other fingerprints' files")
+    prune.add_argument(
+        "--remove-foreign", action="store_true", help="also remove other fingerprints' K/V files"
+    )
     prune.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
     parser.set_defaults(func=main)
     return parser
@@ -61,14 +62,14 @@ def main(args: argparse.Namespace) -> int:
     if not args.dir.is_dir():
         print(f"kvboost-rag store: {args.dir} is not a directory", file=sys.stderr)
         return 2
-    if args.store_command == "stats":
-        return _stats(args)
-    if args.store_command == "verify":
-        return _verify(args)
-    if args.remove_foreign and args.fingerprint is None:
+    if args.store_command == "prune" and args.remove_foreign and args.fingerprint is None:
         print("kvboost-rag store prune: --remove-foreign needs --fingerprint", file=sys.stderr)
         return 2
-    return _prune(args)
+    try:
+        return {"stats": _stats, "verify": _verify, "prune": _prune}[args.store_command](args)
+    except OSError as e:  # e.g. prune on a read-only folder
+        print(f"kvboost-rag store {args.store_command}: {e}", file=sys.stderr)
+        return 1
 
 
 def parse_size(text: str) -> int:
@@ -80,8 +81,11 @@ def parse_size(text: str) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     by_model: dict[str, Counter] = {}
+    kinds: dict[str, list[Path]] = {}
+    for path in sorted(args.dir.iterdir()):
+        kinds.setdefault(file_kind(path) if path.is_file() else "other", []).append(path)
     unreadable = 0
-    for path in list_entry_files(args.dir):
+    for path in kinds.get("entry", []):
         try:
             meta = read_header(path)
             shape = json.loads(meta["key_shape"])  # [L, H_kv, S, D]
@@ -97,8 +101,13 @@ def _stats(args: argparse.Namespace) -> int:
         files=sum(m["files"] for m in by_model.values()) + unreadable,
         bytes=sum(m["bytes"] for m in by_model.values()),
         unreadable=unreadable,
-        temp_files=len(list(args.dir.glob(f".*{TEMP_SUFFIX}"))),
+        temp_files=len(kinds.get("temp", [])),
         fingerprints={fp: dict(sorted(m.items())) for fp, m in sorted(by_model.items())},
+        drift_maps=len(kinds.get("drift", [])),
+        document_indexes=len(kinds.get("documents", [])),
+        documents=sum(_count_lines(p) for p in kinds.get("documents", [])),
+        store_indexes=len(kinds.get("index", [])),
+        other_files=len(kinds.get("other", [])),
     )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -109,9 +118,20 @@ def _stats(args: argparse.Namespace) -> int:
         print(f"  fingerprint {fp}: {m['files']} files, {_human(m['bytes'])}, {m['tokens']} tokens ({bits})")
     if unreadable:
         print(f"  {unreadable} files with unreadable headers (run `kvboost-rag store verify {args.dir}`)")
+    print(f"  {report['document_indexes']} document indexes ({report['documents']} records), "
+          f"{report['drift_maps']} drift maps, {report['store_indexes']} store indexes")
     if report["temp_files"]:
-        print(f"  {report['temp_files']} temp files (interrupted or in-flight writes)")
+        print(f"  {report['temp_files']} temp files (interrupted or in-flight writes; prune removes left-over ones)")
+    if report["other_files"]:
+        print(f"  {report['other_files']} files that are not kvboost-rag's (run `kvboost-rag store verify {args.dir}`)")
     return 0
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -119,22 +139,40 @@ def _verify(args: argparse.Namespace) -> int:
     if args.json:
         doc = dict(
             directory=str(args.dir),
+            ok=report.ok,
             good=len(report.good),
             foreign=[str(p) for p in report.foreign],
             bad={str(p): why for p, why in report.bad.items()},
             fingerprints=report.fingerprints,
             temp_files=[str(p) for p in report.temp_files],
+            drift_maps=[str(p) for p in report.drift_maps],
+            documents={str(p): n for p, n in report.documents.items()},
+            bad_records={str(p): [dict(line=n, why=why) for n, why in v] for p, v in report.bad_records.items()},
+            store_indexes=[str(p) for p in report.indexes],
+            unknown=[str(p) for p in report.unknown],
         )
         print(json.dumps(doc, indent=2))
         return 0 if report.ok else 1
-    print(f"{args.dir}: {len(report.good)} good, {len(report.bad)} bad, {len(report.foreign)} foreign")
+    kv_bad = sum(file_kind(p) not in ("documents", "drift", "index") for p in report.bad)
+    print(f"{args.dir}: {len(report.good)} good, {kv_bad} bad, {len(report.foreign)} foreign K/V files")
+    bad_records = sum(len(v) for v in report.bad_records.values())
+    print(f"  {len(report.documents)} document indexes ({sum(report.documents.values())} intact records, "
+          f"{bad_records} bad), {len(report.drift_maps)} intact drift maps, {len(report.indexes)} store indexes, "
+          f"{len(report.temp_files)} temp files, {len(report.unknown)} unknown files")
     for fp, n in sorted(report.fingerprints.items()):
         mark = "" if args.fingerprint in (None, fp) else " (foreign)"
         print(f"  fingerprint {fp}: {n} intact files{mark}")
     for path, why in report.bad.items():
         print(f"  BAD {path.name}: {why}")
-    if not report.ok:
-        print(f"run `kvboost-rag store prune {args.dir}` to remove the bad files; they are recomputed on use")
+    for path in report.temp_files:
+        print(f"  TEMP {path.name}: left by an interrupted write, or one in flight")
+    for path in report.unknown:
+        print(f"  UNKNOWN {path.name}: not a kvboost-rag file; move it out of the store folder")
+    if report.bad:
+        print(f"run `kvboost-rag store prune {args.dir}` to remove the bad files (they are recomputed on use) and "
+              "drop the bad records of document indexes (those documents are tokenized again when ingested)")
+    elif report.temp_files:
+        print(f"`kvboost-rag store prune {args.dir}` removes the temp files no writer holds any more")
     return 0 if report.ok else 1
 
 
@@ -152,6 +190,7 @@ def _prune(args: argparse.Namespace) -> int:
             directory=str(args.dir),
             dry_run=report.dry_run,
             removed=[dict(file=str(p), why=why) for p, why in report.removed],
+            compacted=[dict(file=str(p), why=why) for p, why in report.compacted],
             freed_bytes=report.freed_bytes,
             kept_files=report.kept_files,
             kept_bytes=report.kept_bytes,
@@ -161,9 +200,13 @@ def _prune(args: argparse.Namespace) -> int:
     verb = "would remove" if report.dry_run else "removed"
     for path, why in report.removed:
         print(f"  {verb} {path.name}: {why}")
+    for path, why in report.compacted:
+        print(f"  {'would rewrite' if report.dry_run else 'rewrote'} {path.name}: {why}")
+    rewrote = f", {'would rewrite' if report.dry_run else 'rewrote'} {len(report.compacted)} document indexes"
     print(
-        f"{args.dir}: {verb} {len(report.removed)} files ({_human(report.freed_bytes)}); "
-        f"kept {report.kept_files} {SUFFIX} files ({_human(report.kept_bytes)})"
+        f"{args.dir}: {verb} {len(report.removed)} files{rewrote if report.compacted else ''} "
+        f"({_human(report.freed_bytes)} freed); kept {report.kept_files} K/V files ({_human(report.kept_bytes)}), "
+        "and every intact document index and drift map"
     )
     return 0
 

@@ -56,5 +56,17 @@ class KVStore(ABC):
     @abstractmethod
     def remove(self, prefix_key: bytes) -> None: ...
 
+    def is_pinned(self, prefix_key: bytes) -> bool:
+        """Whether the entry is pinned (kept whatever the budget); tiers that do not pin say False."""
+        return False
+
+    def pin(self, prefix_key: bytes) -> bool:
+        """Pin an entry already stored, as it is stored; False when this tier cannot (then put it with
+        pin=True). Raises ValueError when the pin does not fit the budget."""
+        return False
+
+    def unpin(self, prefix_key: bytes) -> None:  # noqa: B027 - optional for tiers that do not pin
+        """Make a pinned entry evictable again; no-op when absent or not pinned."""
+
     def close(self) -> None:  # noqa: B027 - optional for tiers that hold no resources
         pass

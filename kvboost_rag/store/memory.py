@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,8 +45,10 @@ class _Slot:
 class MemoryStore(KVStore):
     """Entries in memory, quantized when kv_bits < 16.
 
-    budget_bytes: None for no limit. An unpinned entry larger than what the budget can ever give it
-    is not kept (logged, not raised); pinning past the budget raises ValueError.
+    budget_bytes: None for no limit, 0 to keep nothing in memory (a disk tier alone). An unpinned entry
+    larger than the budget less the pinned bytes is not kept, nor will any entry that size be, so none
+    is reused from memory: the first time, a RuntimeWarning names the smallest budget that would have
+    kept it; later ones are logged. Pinning past the budget raises ValueError.
     on_evict: called with each evicted entry, outside the lock, after the put that evicted it.
     """
 
@@ -74,6 +77,7 @@ class MemoryStore(KVStore):
         self._pinned_bytes = 0
         self._clock = 0  # store accesses so far; ages are measured in these
         self._counts = dict(hits=0, misses=0, puts=0, evictions=0, rejected=0)
+        self._warned_too_small = False
 
     # -- KVStore -----------------------------------------------------------------------------
 
@@ -118,9 +122,32 @@ class MemoryStore(KVStore):
         evicted: list[StoredEntry] = []
         with self._lock:
             kept = self._insert(stored, pin, evicted)
+            # Rejected for being too large (a budget of 0 keeps nothing on purpose): warned once, outside the lock.
+            warn = not kept and self.budget_bytes != 0 and not self._warned_too_small
+            self._warned_too_small |= warn
+            pinned_bytes = self._pinned_bytes
+        if warn:
+            self._warn_too_small(stored.nbytes, pinned_bytes)
         for victim in evicted:
             self._notify_evicted(victim)
         return kept
+
+    def is_pinned(self, prefix_key: bytes) -> bool:
+        with self._lock:
+            slot = self._slots.get(prefix_key)
+            return slot is not None and slot.pinned
+
+    def pin(self, prefix_key: bytes) -> bool:
+        """Pin an entry already in memory; False when absent. It always fits: pinned bytes plus its own
+        are at most the bytes held, which are within the budget."""
+        with self._lock:
+            slot = self._slots.get(prefix_key)
+            if slot is None:
+                return False
+            if not slot.pinned:
+                slot.pinned = True
+                self._pinned_bytes += slot.stored.nbytes
+            return True
 
     def unpin(self, prefix_key: bytes) -> None:
         """Make an entry evictable again (no-op when absent or not pinned)."""
@@ -195,6 +222,16 @@ class MemoryStore(KVStore):
         if pin:
             self._pinned_bytes += size
         return True
+
+    def _warn_too_small(self, size: int, pinned_bytes: int) -> None:
+        warnings.warn(
+            f"kvboost-rag: a {size:,}-byte KV chunk does not fit the {self.budget_bytes:,}-byte memory budget "
+            f"({pinned_bytes:,} bytes of it pinned), so chunks this size are not kept in memory and not reused "
+            f"from it; set memory_budget_bytes to at least {size + pinned_bytes:,} (better, room for many "
+            f"chunks), or store fewer bits (kv_bits=8 or 4). Further such chunks are logged, not warned.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _check_pin_fits(self, size: int) -> None:
         if self.budget_bytes is not None and self._pinned_bytes + size > self.budget_bytes:

@@ -2,28 +2,24 @@
 
 Writes go to both tiers at once (write-through), so a memory eviction loses nothing and needs no
 spill. Reads try memory, then disk; a disk hit is promoted into memory in its stored form, so it
-is never re-quantized.
+is never re-quantized. A disk write that fails (full, read-only) costs future reuse, never the
+request: the entry stays in memory, the folder is warned about once (`disk.write_failed`), and the
+next write tries the disk again.
 """
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 from kvboost_rag.config import StoreConfig
 from kvboost_rag.store.base import KVEntry, KVStore
-from kvboost_rag.store.disk import DiskStore
+from kvboost_rag.store.disk import DiskStore, check_file_mode, write_failed
 from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.quant import SUPPORTED_BITS, StoredEntry, decode_entry, encode_entry
-
-log = logging.getLogger(__name__)
 
 
 class TieredStore(KVStore):
     def __init__(self, memory: MemoryStore, disk: DiskStore | None = None) -> None:
         self.memory = memory
         self.disk = disk
-        self._disk_write_failed = False
 
     def contains(self, prefix_key: bytes) -> bool:
         return self.memory.contains(prefix_key) or (self.disk is not None and self.disk.contains(prefix_key))
@@ -45,6 +41,19 @@ class TieredStore(KVStore):
         self.memory.put_stored(stored, pin=pin)  # raises before anything is written if the pin cannot fit
         if self.disk is not None:
             self._write_disk(stored)
+
+    def is_pinned(self, prefix_key: bytes) -> bool:
+        return self.memory.is_pinned(prefix_key)
+
+    def pin(self, prefix_key: bytes) -> bool:
+        if self.memory.pin(prefix_key):
+            return True
+        # On disk only: promoted in its stored form, pinned (never re-quantized, never written again).
+        stored = None if self.disk is None else self.disk.get_stored(prefix_key)
+        return stored is not None and self.memory.put_stored(stored, pin=True)
+
+    def unpin(self, prefix_key: bytes) -> None:
+        self.memory.unpin(prefix_key)
 
     def remove(self, prefix_key: bytes) -> None:
         self.memory.remove(prefix_key)
@@ -70,20 +79,10 @@ class TieredStore(KVStore):
         return stored
 
     def _write_disk(self, stored: StoredEntry) -> None:
-        # A full or read-only disk costs future reuse, not this request: warn once, keep serving.
         try:
             self.disk.put_stored(stored)
-        except OSError as e:
-            if not self._disk_write_failed:
-                self._disk_write_failed = True
-                warnings.warn(
-                    f"kvboost-rag: cannot write KV to {self.disk.directory} ({e}); continuing with memory "
-                    "only for such entries (further failures are logged, not warned)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            else:
-                log.warning("cannot write KV to %s: %s", self.disk.directory, e)
+        except OSError as e:  # one warning per folder and outage, shared with the index and the documents
+            write_failed(self.disk.directory, e)
 
 
 def make_store(config: StoreConfig, fingerprint: str) -> KVStore:
@@ -92,8 +91,10 @@ def make_store(config: StoreConfig, fingerprint: str) -> KVStore:
         raise ValueError(f"StoreConfig.kv_bits must be one of {SUPPORTED_BITS}, got {config.kv_bits}")
     if config.group_size < 1:
         raise ValueError(f"StoreConfig.group_size must be positive, got {config.group_size}")
+    check_file_mode(config.file_mode)
     memory = MemoryStore(config.memory_budget_bytes, kv_bits=config.kv_bits, group_size=config.group_size)
     disk = None
     if config.disk_dir is not None:
-        disk = DiskStore(config.disk_dir, fingerprint, kv_bits=config.kv_bits, group_size=config.group_size)
+        disk = DiskStore(config.disk_dir, fingerprint, kv_bits=config.kv_bits, group_size=config.group_size,
+                         file_mode=config.file_mode)
     return TieredStore(memory, disk)

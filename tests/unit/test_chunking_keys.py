@@ -45,11 +45,16 @@ def test_split_without_any_boundary_still_respects_the_limit():
 
 
 def test_keys_separate_models_positions_and_contexts():
-    a, b = keys.model_fingerprint(model_id="m", weights_digest="w1", dtype="float32", tokenizer_digest="t",
-                                  encoding={}), \
-        keys.model_fingerprint(model_id="m", weights_digest="w1", dtype="bfloat16", tokenizer_digest="t",
-                               encoding={})
-    assert a != b
+    def fingerprint(**changes):
+        settings = dict(model_id="m", weights_digest="w1", config_digest="c", dtype="float32", tokenizer_digest="t",
+                        encoding={})
+        return keys.model_fingerprint(**(settings | changes))
+
+    a, b = fingerprint(), fingerprint(dtype="bfloat16")
+    assert a != b and a == fingerprint()
+    changed = [fingerprint(config_digest="c2"), fingerprint(tokenizer_digest="t2"), fingerprint(weights_digest="w2"),
+               fingerprint(encoding={"context": [[1]]})]
+    assert len({a, *changed}) == 5
     doc, other, system = (5, 6, 7), (8, 9), (1, 2)
     assert keys.content_key(a, doc) != keys.content_key(b, doc)
     # Same document after two different chunks: same content key, different prefix keys.

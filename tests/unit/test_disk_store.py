@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -71,6 +72,7 @@ def test_round_trip_and_file_layout(tmp_path, store_make_entry, bits):
     path = tmp_path / f"{entry.prefix_key.hex()}.safetensors"
     assert store.contains(entry.prefix_key) and path.is_file()
     assert not list(tmp_path.glob(".*.tmp"))  # the temp file was renamed, not left behind
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # the store holds documents: owner only by default
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
     assert meta["fingerprint"] == FP and meta["kv_bits"] == str(bits) and meta["start"] == "11"
@@ -380,7 +382,9 @@ def test_cli_stats_verify_prune(store_messy_dir, capsys):
     out = capsys.readouterr().out
     assert "3 good, 1 bad" not in out and "4 good, 1 bad" in out and "model-B" in out  # no fingerprint given
     assert _cli("store", "verify", d, "--fingerprint", FP) == 1
-    assert "3 good, 1 bad, 1 foreign" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "3 good, 1 bad, 1 foreign" in out and "2 store indexes, 1 temp files, 0 unknown files" in out
+    assert "TEMP .x.safetensors.123.tmp" in out
     assert _cli("store", "prune", d, "--dry-run") == 0
     assert "would remove" in capsys.readouterr().out and entry_path(store.directory, bad.prefix_key).exists()
     assert _cli("store", "prune", d, "--max-bytes", "1G") == 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -71,9 +73,39 @@ def test_budget_evicts_and_rejects_oversized_entries(store_make_entry):
         assert store.nbytes <= 3 * size
     assert len(store) == 3 and store.stats()["evictions"] == 2
     huge = store_make_entry(9, S=200)
-    store.put(huge)  # larger than the whole budget: not kept, no exception, nothing evicted for it
+    with pytest.warns(RuntimeWarning, match="does not fit"):
+        store.put(huge)  # larger than the whole budget: not kept, no exception, nothing evicted for it
     assert not store.contains(huge.prefix_key) and len(store) == 3
     assert store.stats()["rejected"] == 1
+
+
+def test_a_budget_below_one_chunk_warns_once_with_the_budget_that_would_work(store_make_entry, caplog):
+    small, chunk = store_make_entry(1, S=5), store_make_entry(2, S=64)
+    store = MemoryStore(small.nbytes + chunk.nbytes // 2)
+    store.put(small, pin=True)
+    with pytest.warns(RuntimeWarning) as caught:
+        store.put(chunk)  # never fits beside the pinned entry: reused from memory never
+    assert len(caught) == 1
+    needed = chunk.nbytes + small.nbytes  # the chunk plus what is pinned
+    assert f"set memory_budget_bytes to at least {needed:,}" in str(caught[0].message)
+    assert f"{small.nbytes:,} bytes of it pinned" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the next rejections are logged, not warned again
+        with caplog.at_level(logging.INFO, logger="kvboost_rag.store.memory"):
+            store.put(store_make_entry(3, S=64))
+            store.put(chunk)
+    assert store.stats()["rejected"] == 3 and caplog.text.count("not kept in memory") == 2
+    store = MemoryStore(needed)
+    store.put(small, pin=True)
+    assert store.put_stored(encode_entry(chunk, 16, 64))  # the budget the warning named keeps it
+
+
+def test_a_zero_budget_keeps_nothing_without_warning(store_make_entry):
+    store = MemoryStore(0)  # on purpose: a disk tier alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store.put(store_make_entry(1))
+    assert len(store) == 0 and store.stats()["rejected"] == 1
 
 
 def test_pins_are_never_evicted_and_overpinning_raises(store_make_entry):
@@ -97,6 +129,22 @@ def test_pins_are_never_evicted_and_overpinning_raises(store_make_entry):
     assert store.contains(entries[1].prefix_key) and store.contains(big.prefix_key)
     assert store.stats()["pinned_entries"] == 2 and store.nbytes <= 3 * size
     store.put(entries[1], pin=True)  # already pinned: no-op
+
+
+def test_pin_and_is_pinned_on_stored_entries(store_make_entry):
+    a, b, c = store_make_entry(1), store_make_entry(2), store_make_entry(3)
+    store = MemoryStore(2 * a.nbytes)
+    store.put(a)
+    store.put(b, pin=True)
+    assert not store.is_pinned(a.prefix_key) and store.is_pinned(b.prefix_key)
+    assert store.pin(a.prefix_key) and store.is_pinned(a.prefix_key) and store.pin(a.prefix_key)  # twice: no-op
+    assert store.stats()["pinned_bytes"] == a.nbytes + b.nbytes
+    assert not store.pin(c.prefix_key) and not store.is_pinned(c.prefix_key)  # absent
+    with pytest.warns(RuntimeWarning, match="at least"):
+        store.put(c)  # both pinned: no room
+    assert store.contains(a.prefix_key) and not store.contains(c.prefix_key)
+    store.unpin(a.prefix_key)
+    assert not store.is_pinned(a.prefix_key) and store.stats()["pinned_bytes"] == b.nbytes
 
 
 def test_eviction_score_formula():
@@ -180,6 +228,7 @@ OPS = st.lists(
 )
 
 
+@pytest.mark.filterwarnings("ignore:kvboost-rag. a .*-byte KV chunk does not fit:RuntimeWarning")
 @settings(max_examples=50, deadline=None)
 @given(bits=st.sampled_from([16, 8, 4]), budget_frac=st.floats(0.0, 1.2), ops=OPS)
 def test_budget_and_pins_hold_for_any_sequence(store_pool, bits, budget_frac, ops):

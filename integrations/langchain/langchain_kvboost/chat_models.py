@@ -27,6 +27,8 @@ from kvboost_rag.serving import (
     REPAIR_FIELDS,
     astream_pieces,
     check_engine_doc_context,
+    check_repair_knobs,
+    check_sampling,
     model_key,
     repair_overrides,
     shared_engine,
@@ -145,6 +147,14 @@ class ChatKVBoost(BaseChatModel):
         return value if value is None else check_doc_context(value)
 
     @model_validator(mode="after")
+    def _settings_in_range(self) -> ChatKVBoost:
+        # The engine's own checks (finite numbers, seeds, stop strings), so a setting fails here, not at a call.
+        check_sampling({"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                        "top_k": self.top_k, "stop": self.stop, "seed": self.seed})
+        check_repair_knobs({name: getattr(self, name) for name in REPAIR_FIELDS})
+        return self
+
+    @model_validator(mode="after")
     def _engine_encodes_as_asked(self) -> ChatKVBoost:
         if self.engine is not None:
             check_engine_doc_context(self.engine, self.doc_context)
@@ -247,14 +257,18 @@ class ChatKVBoost(BaseChatModel):
             "top_p": get("top_p"),
             "top_k": get("top_k"),
             "seed": get("seed"),
-            "stop": tuple(stop if stop is not None else (self.stop or ())),
+            "stop": stop if stop is not None else (self.stop or ()),
         }
         if "write_back" in kwargs:
             call["write_back"] = bool(kwargs["write_back"])
-        repair = repair_overrides(self.client, {name: get(name) for name in REPAIR_FIELDS})
+        # Checked before the engine is touched: a bad value loads no model and runs no prefill.
+        call = check_sampling(call)
+        knobs = check_repair_knobs({name: get(name) for name in REPAIR_FIELDS})
+        chat = [_to_chat_message(m) for m in messages]
+        repair = repair_overrides(self.client, knobs)
         if repair is not None:
             call["repair"] = repair
-        return [_to_chat_message(m) for m in messages], call
+        return chat, call
 
     def _response_metadata(self, result: Generation) -> dict[str, Any]:
         return {

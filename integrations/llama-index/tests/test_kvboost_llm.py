@@ -36,6 +36,28 @@ def test_fields_and_validation():
     assert llm._engine is None
 
 
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"recompute_ratio": float("nan")}, r"recompute_ratio must be a finite number in \[0, 1\], got nan"),
+    ({"taper": 0.5}, "taper must be a finite number >= 1, got 0.5"),
+    ({"boundary_tokens": -5}, "boundary_tokens must be an integer >= 0, got -5"),
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
+    ({"top_k": -5}, "top_k must be an integer >= 0, got -5"),
+    ({"stop": "###"}, "wrap it"),  # a bare stop string is refused, not split into letters
+])
+def test_per_call_values_out_of_range_are_refused_before_any_model_work(bad, message):
+    llm = KVBoostLLM()
+    with pytest.raises(ValueError, match=message):
+        llm._call(bad)
+    assert llm._engine is None  # nothing loaded
+
+
+@pytest.mark.parametrize("bad", [{"temperature": float("inf")}, {"taper": float("inf")}, {"seed": -1},
+                                 {"stop": [""]}])
+def test_fields_out_of_range_are_refused_at_construction(bad):
+    with pytest.raises(ValidationError):  # where pydantic's own bounds let them through
+        KVBoostLLM(**bad)
+
+
 def test_messages_to_chat():
     assert _to_chat_message(ChatMessage(role=MessageRole.DEVELOPER, content="d")) == {"role": "system",
                                                                                       "content": "d"}

@@ -81,3 +81,35 @@ def test_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="unknown strategy"):
         llm._request([HumanMessage("hi")], None, {"strategy": "fastest"})
     assert llm._engine is None
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"recompute_ratio": float("nan")}, r"recompute_ratio must be a finite number in \[0, 1\], got nan"),
+    ({"recompute_ratio": 2.0}, r"recompute_ratio must be a finite number in \[0, 1\], got 2.0"),
+    ({"taper": float("nan")}, "taper must be a finite number >= 1"),
+    ({"boundary_tokens": -5}, "boundary_tokens must be an integer >= 0, got -5"),
+    ({"check_layer": -1}, "check_layer must be an integer >= 0"),
+    ({"drift_strength": float("inf")}, r"drift_strength must be a finite number in \[0, 1\]"),
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
+    ({"top_k": -5}, "top_k must be an integer >= 0, got -5"),
+    ({"max_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+])
+def test_per_call_values_out_of_range_are_refused_before_any_model_work(bad, message):
+    llm = ChatKVBoost()
+    with pytest.raises(ValueError, match=message):
+        llm._request([HumanMessage("hi")], None, bad)
+    assert llm._engine is None  # nothing loaded
+
+
+def test_a_bare_stop_string_is_refused_not_split_into_letters():
+    llm = ChatKVBoost()
+    with pytest.raises(ValueError, match=r"wrap it, stop=\['###'\]"):
+        llm._request([HumanMessage("hi")], "###", {})
+    assert llm._engine is None
+
+
+@pytest.mark.parametrize("bad", [{"temperature": float("inf")}, {"taper": float("inf")}, {"recency": float("inf")},
+                                 {"seed": -1}, {"stop": [""]}, {"top_k": 2.5}])
+def test_settings_out_of_range_are_refused_at_construction(bad):
+    with pytest.raises(ValidationError):
+        ChatKVBoost(**bad)

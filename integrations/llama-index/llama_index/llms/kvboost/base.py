@@ -19,7 +19,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
@@ -32,6 +32,8 @@ from kvboost_rag.serving import (
     REPAIR_FIELDS,
     astream_pieces,
     check_engine_doc_context,
+    check_repair_knobs,
+    check_sampling,
     model_key,
     repair_overrides,
     shared_engine,
@@ -136,6 +138,14 @@ class KVBoostLLM(CustomLLM):
             check_engine_doc_context(engine, self.doc_context)
         self._engine = engine
 
+    @model_validator(mode="after")
+    def _settings_in_range(self) -> KVBoostLLM:
+        # The engine's own checks (finite numbers, seeds, stop strings), so a setting fails here, not at a call.
+        check_sampling({"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                        "top_k": self.top_k, "stop": self.stop, "seed": self.seed})
+        check_repair_knobs({name: getattr(self, name) for name in REPAIR_FIELDS})
+        return self
+
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
@@ -213,11 +223,14 @@ class KVBoostLLM(CustomLLM):
             "top_p": get("top_p"),
             "top_k": get("top_k"),
             "seed": get("seed"),
-            "stop": tuple(get("stop") or ()),
+            "stop": get("stop") or (),
         }
         if "write_back" in kwargs:
             call["write_back"] = bool(kwargs["write_back"])
-        repair = repair_overrides(self.client, {name: get(name) for name in REPAIR_FIELDS})
+        # Checked before the engine is touched: a bad value loads no model and runs no prefill.
+        call = check_sampling(call)
+        knobs = check_repair_knobs({name: get(name) for name in REPAIR_FIELDS})
+        repair = repair_overrides(self.client, knobs)
         if repair is not None:
             call["repair"] = repair
         return call

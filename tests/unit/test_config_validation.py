@@ -1,0 +1,211 @@
+"""Bad settings are refused when made, naming the field, the value and the valid range (issue 23, item 8):
+the config dataclasses, SamplingParams, what depends on the model, the CLI and the serving helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from kvboost_rag import models
+from kvboost_rag.cli import main as cli_main
+from kvboost_rag.config import (
+    DTYPE_NAMES,
+    KV_BITS,
+    ChunkingConfig,
+    ConfigError,
+    EngineConfig,
+    RepairConfig,
+    StoreConfig,
+    check_for_model,
+)
+from kvboost_rag.engine import KVBoost
+from kvboost_rag.generation import SamplingParams
+from kvboost_rag.serving import check_repair_knobs, check_sampling, repair_overrides
+from kvboost_rag.store.quant import SUPPORTED_BITS
+
+NAN, INF = math.nan, math.inf
+
+# (field, bad value, a part of the range the message must state)
+BAD_REPAIR = [
+    ("recompute_ratio", -1.0, "[0, 1]"), ("recompute_ratio", NAN, "[0, 1]"), ("recompute_ratio", 2.0, "[0, 1]"),
+    ("recompute_ratio", INF, "[0, 1]"), ("taper", NAN, ">= 1"), ("taper", 0.5, ">= 1"), ("taper", INF, ">= 1"),
+    ("recency", -1.0, ">= 0"), ("recency", NAN, ">= 0"), ("boundary_tokens", -5, ">= 0"),
+    ("boundary_tokens", 2.5, ">= 0"), ("check_layer", -1, ">= 0"), ("size_multiple", -2, ">= -1"),
+    ("drift", "no", "True or False"), ("drift_strength", 1.5, "[0, 1]"), ("drift_strength", NAN, "[0, 1]"),
+    ("select", "best", "deviation, random"), ("seed", -1, "[0, 2**64 - 1]"), ("seed", 1.0, "[0, 2**64 - 1]"),
+    ("qa_heads", 0, ">= 1"), ("qa_calib_items", 0, ">= 1"), ("qa_docs", -1, ">= 0"),
+    ("qa_after", "some", "none, all, attn"), ("qa_after_ratio", 1.5, "[0, 1]"), ("qa_damp", -0.1, ">= 0"),
+    ("qa_damp", INF, ">= 0"), ("qa_order", "random", "prompt, relevance_last"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "span"), BAD_REPAIR)
+def test_repair_config_refuses_out_of_range_knobs(name, value, span):
+    for make in (lambda: RepairConfig(**{name: value}),
+                 lambda: dataclasses.replace(RepairConfig(), **{name: value})):  # what per-call overrides use
+        with pytest.raises(ConfigError) as caught:
+            make()
+        message = str(caught.value)
+        assert caught.value.field == name and name in message and span in message
+        assert repr(value) in message or str(value) in message
+
+
+def test_repair_config_keeps_the_edges_of_each_range():
+    edges = RepairConfig(boundary_tokens=0, check_layer=0, recompute_ratio=0.0, taper=1.0, recency=0.0,
+                         size_multiple=-1, drift=False, drift_strength=0.0, select="random", seed=2**64 - 1,
+                         qa_heads=1, qa_calib_items=1, qa_docs=0, qa_after="attn", qa_after_ratio=1.0, qa_damp=0.0,
+                         qa_order="relevance_last")
+    assert dataclasses.replace(edges, recompute_ratio=1, drift_strength=1, taper=64).recompute_ratio == 1
+    assert isinstance(ConfigError("x", "y"), ValueError)  # callers catching ValueError still catch it
+
+
+@pytest.mark.parametrize(("make", "name", "span"), [
+    (lambda: ChunkingConfig(max_chunk_tokens=0), "max_chunk_tokens", ">= 1"),
+    (lambda: ChunkingConfig(max_chunk_tokens=-3), "max_chunk_tokens", ">= 1"),
+    (lambda: ChunkingConfig(doc_context="sentence"), "doc_context", "none, template, passage"),
+    (lambda: StoreConfig(kv_bits=3), "kv_bits", "16, 8, 4"),
+    (lambda: StoreConfig(kv_bits=8.0), "kv_bits", "16, 8, 4"),
+    (lambda: StoreConfig(group_size=0), "group_size", ">= 1"),
+    (lambda: StoreConfig(memory_budget_bytes=-1), "memory_budget_bytes", ">= 0"),
+    (lambda: StoreConfig(memory_budget_bytes=1.5e6), "memory_budget_bytes", ">= 0"),
+    (lambda: StoreConfig(file_mode=0o1777), "file_mode", "0o777"),
+    (lambda: StoreConfig(file_mode=0o400), "file_mode", "read and write"),
+    (lambda: StoreConfig(file_mode="0o600"), "file_mode", "0o777"),
+    (lambda: StoreConfig(disk_dir=5), "disk_dir", "folder path"),
+    (lambda: EngineConfig(dtype="int8"), "dtype", "float32, bfloat16, float16"),
+    (lambda: EngineConfig(repair={"recompute_ratio": 0.3}), "repair", "RepairConfig"),
+])
+def test_chunking_store_and_engine_configs_refuse_bad_values(make, name, span):
+    with pytest.raises(ConfigError) as caught:
+        make()
+    assert caught.value.field == name and name in str(caught.value) and span in str(caught.value)
+
+
+def test_store_and_engine_configs_keep_what_is_valid(tmp_path):
+    store = StoreConfig(memory_budget_bytes=0, disk_dir=str(tmp_path), kv_bits=4, group_size=1, file_mode=0o644)
+    assert (store.kv_bits, store.file_mode) == (4, 0o644)
+    assert EngineConfig(dtype="bfloat16", store=store).store is store
+    assert ChunkingConfig(max_chunk_tokens=1).max_chunk_tokens == 1
+
+
+def test_names_repeated_in_config_match_their_sources():
+    # config.py lists them itself to stay free of torch; these keep the copies right.
+    assert SUPPORTED_BITS == KV_BITS
+    assert tuple(models.DTYPES) == DTYPE_NAMES
+
+
+def test_check_layer_is_checked_against_the_model():
+    assert check_for_model(RepairConfig(check_layer=2), 3).check_layer == 2
+    with pytest.raises(ConfigError, match=r"check_layer must be below the model's 3 layers \(0 to 2\), got 999"):
+        check_for_model(RepairConfig(check_layer=999), 3)
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("values", "name", "span"), [
+    ({"temperature": NAN}, "temperature", ">= 0"), ({"temperature": INF}, "temperature", ">= 0"),
+    ({"temperature": -1.0}, "temperature", ">= 0"), ({"top_p": 0.0}, "top_p", "(0, 1]"),
+    ({"top_p": NAN}, "top_p", "(0, 1]"), ({"top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"top_k": -5}, "top_k", ">= 0"), ({"top_k": 2.5}, "top_k", ">= 0"),
+    ({"max_new_tokens": 0}, "max_new_tokens", ">= 1"), ({"max_new_tokens": 4.0}, "max_new_tokens", ">= 1"),
+    ({"stop": "###"}, "stop", "stop=['###']"), ({"stop": ("",)}, "stop", "non-empty strings"),
+    ({"stop": (1,)}, "stop", "non-empty strings"), ({"seed": -1}, "seed", "None for an unseeded"),
+])
+def test_sampling_params_refuse_bad_values(values, name, span):
+    with pytest.raises(ConfigError) as caught:
+        SamplingParams(**values)
+    assert caught.value.field == name and name in str(caught.value) and span in str(caught.value)
+
+
+def test_sampling_params_keep_valid_values():
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, top_p=1.0, top_k=0, stop=["\n", "###"], seed=0)
+    assert params.stop == ("\n", "###")  # a list of stop strings is kept as a tuple
+    assert SamplingParams(stop=None).stop == ()
+
+
+def test_bad_sampling_is_refused_before_the_prefill(make_tiny_engine, monkeypatch):
+    engine = make_tiny_engine()
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("prefilled before the sampling values were checked")
+
+    monkeypatch.setattr(engine, "prefill", no_prefill)
+    for bad in ({"temperature": NAN}, {"top_k": -5}, {"top_p": 0.0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            engine.stream("Hello there.", max_new_tokens=2, **bad)
+
+
+def test_generate_refuses_a_per_call_repair_out_of_range(make_tiny_engine):
+    engine = make_tiny_engine()
+    with pytest.raises(ConfigError, match=r"recompute_ratio must be a finite number in \[0, 1\], got nan"):
+        engine.generate("Hello there.", max_new_tokens=2,
+                        repair=dataclasses.replace(engine.config.repair, recompute_ratio=NAN))
+
+
+# -- the serving helpers both LLM classes use -------------------------------------------------------
+
+
+def test_serving_checks_knobs_and_sampling_without_an_engine():
+    assert check_repair_knobs({"taper": None, "recency": 0.5}) == {"recency": 0.5}
+    with pytest.raises(ConfigError, match="recompute_ratio"):
+        check_repair_knobs({"recompute_ratio": NAN})
+    with pytest.raises(ConfigError, match="boundary_tokens"):
+        check_repair_knobs({"boundary_tokens": -5})
+    call = check_sampling({"strategy": "full", "max_new_tokens": 3, "temperature": 0.0, "stop": ["\n"]})
+    assert call["stop"] == ("\n",) and call["strategy"] == "full"
+    with pytest.raises(ConfigError, match="temperature"):
+        check_sampling({"temperature": NAN})
+
+
+def test_repair_overrides_check_the_engines_model(make_tiny_engine):
+    engine = make_tiny_engine()  # 3 layers
+    assert repair_overrides(engine, {"check_layer": 2}).check_layer == 2
+    assert repair_overrides(engine, {"check_layer": None}) is None
+    with pytest.raises(ConfigError, match="below the model's 3 layers"):
+        repair_overrides(engine, {"check_layer": 999})
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["ask", "q?", "--docs", "missing.txt", "--recompute-ratio", "2"], "--recompute-ratio"),
+    (["ask", "q?", "--docs", "missing.txt", "--recompute-ratio", "nan"], "--recompute-ratio"),
+    (["ask", "q?", "--docs", "missing.txt", "--taper", "nan"], "--taper"),
+    (["ask", "q?", "--docs", "missing.txt", "--boundary-tokens", "-5"], "--boundary-tokens"),
+    (["ask", "q?", "--docs", "missing.txt", "--temperature", "nan"], "--temperature"),
+    (["ask", "q?", "--docs", "missing.txt", "--max-chunk-tokens", "0"], "--max-chunk-tokens"),
+    (["ingest", "missing.txt", "--memory-budget", "-5"], "--memory-budget"),
+    (["bench", "--data", "missing.jsonl", "--strategies", "cacheblend:recompute_ratio=inf"], "--strategies"),
+])
+def test_cli_refuses_bad_settings_in_one_line_before_reading_anything(argv, flag, capsys):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvboost-rag: error: argument {flag}: ") and err.count("\n") == 1
+    assert "Traceback" not in err and "missing" not in err  # refused before the files were looked for
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--data", "x.jsonl", "--skip", "-1"], "argument --skip: must be an integer >= 0, got '-1'"),
+    (["bench", "--data", "x.jsonl", "--limit", "0"], "argument --limit: must be an integer >= 1"),
+    (["ingest", "x.txt", "--drift-places", "0"], "argument --drift-places: must be an integer >= 1"),
+    (["bench-store", "--data", "x.jsonl", "--bits", "16,3"], "argument --bits: must be a comma list of 16, 8, 4"),
+    (["ask", "q?", "--docs", "x.txt", "--kv-bits", "3"], "argument --kv-bits: invalid choice"),
+])
+def test_cli_only_options_are_refused_by_argparse(argv, message, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli_main(argv)
+    assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_checks_check_layer_against_the_loaded_model(make_tiny_engine, monkeypatch, tmp_path, capsys):
+    # The tiny 3-layer model in place of the bundled one, with the config the command line built.
+    monkeypatch.setattr(KVBoost, "from_pretrained", classmethod(lambda cls, *a, config=None: make_tiny_engine(config)))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The Velmar Observatory stands on Mount Aske.")
+    assert cli_main(["ask", "Where?", "--docs", str(doc), "--check-layer", "999"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --check-layer: RepairConfig.check_layer must be below the model's 3 layers" in err
