@@ -14,6 +14,8 @@ its cached tokens, and cut into chunks. Every chunk is then one of:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -136,16 +138,24 @@ def _text_chunks(ids: tuple[int, ...], max_chunk_tokens: int,
     return chunks
 
 
-def tokenize_texts(texts: list[str], tokenizer, max_chunk_tokens: int, bos_ids: tuple[int, ...] = (),
-                   special_ids: frozenset[int] = frozenset()) -> list[tuple[tuple[int, ...], bool]]:
-    """Chunks of texts tokenized one by one (an ingestion context: its parts end where a document starts)."""
-    chunks: list[tuple[tuple[int, ...], bool]] = []
-    for i, text in enumerate(texts):
-        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if i == 0 and ids[:len(bos_ids)] != bos_ids:
-            ids = bos_ids + ids
-        chunks += _text_chunks(ids, max_chunk_tokens, special_ids)
-    return chunks
+def tokenize_context(texts: list[str], follower: str, tokenizer, max_chunk_tokens: int,
+                     bos_ids: tuple[int, ...] = (), special_ids: frozenset[int] = frozenset()
+                     ) -> list[tuple[tuple[int, ...], bool]]:
+    """Chunks of the texts a document is encoded after at ingestion, each text its own chunks, tokenized as
+    one prompt in which `follower` (a document's start) comes next. So the seams are tokenized as a prompt
+    tokenizes them: a blank line before a document is two newline tokens there, not the one token it is
+    at the end of a text."""
+    joined = "".join(texts)
+    enc = tokenizer(joined + follower, add_special_tokens=False, return_offsets_mapping=True)
+    ends = list(itertools.accumulate(len(text) for text in texts))
+    parts: list[list[int]] = [[] for _ in texts]
+    for token, (start, _) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+        if start >= len(joined):
+            break
+        parts[bisect.bisect_right(ends, start)].append(token)
+    if parts and tuple(parts[0][:len(bos_ids)]) != bos_ids:
+        parts[0][:0] = bos_ids
+    return [chunk for part in parts for chunk in _text_chunks(tuple(part), max_chunk_tokens, special_ids)]
 
 
 def segments_text(segments: list[str | Document]) -> str:

@@ -29,9 +29,9 @@ from pathlib import Path
 import xxhash
 
 from .chunking import Chunk
-from .store.disk import (
+from .store.disk import StoreIntegrityWarning
+from .store.files import (
     DEFAULT_FILE_MODE,
-    StoreIntegrityWarning,
     check_file_mode,
     lock_file,
     make_dir,

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .store.disk import make_dir, write_atomic
+from .store.files import make_dir, write_atomic
 
 VERSION = 2
 RIDGE = 1e-2  # keeps the normal equations well posed for channels that barely vary

@@ -37,8 +37,8 @@ from .assembly import (
     assemble,
     plan,
     segments_text,
+    tokenize_context,
     tokenize_prompt,
-    tokenize_texts,
 )
 from .calibration import document_spans, retrieval_heads, template_suffix_tokens
 from .chunking import chunk_document
@@ -250,9 +250,10 @@ class KVBoost:
             return []
         segments = [opening] if opening else []
         if doc_context == "passage":
-            segments += [CONTEXT_PASSAGE, "\n\n"]  # each tokenized apart, as a prompt's documents and separators
-        return tokenize_texts(segments, self.tokenizer, self.config.chunking.max_chunk_tokens, self._bos_ids,
-                              self._special_ids)
+            segments += [CONTEXT_PASSAGE, "\n\n"]  # each its own chunk, as a prompt's documents and separators
+        # Followed by a word, as a document follows them in a prompt (its text is stripped: no space first).
+        return tokenize_context(segments, "Document", self.tokenizer, self.config.chunking.max_chunk_tokens,
+                                self._bos_ids, self._special_ids)
 
     def close(self) -> None:
         """Flush and release the store (the disk tier's index is written here), and write any document

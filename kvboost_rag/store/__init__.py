@@ -1,15 +1,9 @@
 """Where document KV lives between requests: memory (budgeted, optionally quantized) and disk."""
 
 from kvboost_rag.store.base import KVEntry, KVStore
-from kvboost_rag.store.disk import (
-    DiskStore,
-    PruneReport,
-    StoreIntegrityWarning,
-    StoreWriteWarning,
-    VerifyReport,
-    prune_dir,
-    verify_dir,
-)
+from kvboost_rag.store.disk import DiskStore, StoreIntegrityWarning
+from kvboost_rag.store.files import StoreWriteWarning
+from kvboost_rag.store.folder import PruneReport, VerifyReport, prune_dir, verify_dir
 from kvboost_rag.store.memory import MemoryStore, eviction_score
 from kvboost_rag.store.quant import QuantizedKV, StoredEntry, dequantize_kv, quantize_kv
 from kvboost_rag.store.tiered import TieredStore, make_store

@@ -2,37 +2,29 @@
 
 A file is `<prefix_key hex>.safetensors`; its metadata says which format, model fingerprint and
 quantization wrote it, and carries an xxh3_128 checksum over the metadata and every tensor byte.
-Files are written atomically (temp file in the same directory, fsync, os.replace), so a crash
-leaves the old file or the new one, never half of one. A damaged, foreign or unknown-version file
+Files are written atomically (store/files.py: temp file in the same directory, fsync, os.replace), so a
+crash leaves the old file or the new one, never half of one. A damaged, foreign or unknown-version file
 is never served: `get` warns, naming the file, and returns None so the caller recomputes.
 
 A small JSON index maps content keys to prefix keys for `find_content`. It is only a cache of the
 files' headers: on open it is reconciled with the directory (files it lacks are read, files gone
 are dropped), so a missing, stale or corrupt index costs a scan, never a wrong answer.
 
-The folder also holds the engine's document index (`documents-*.jsonl`, see documents.py) and fitted
-drift maps (`drift-*.safetensors`, see drift.py), written with this module's helpers: every file with
-`StoreConfig.file_mode` (0o600 by default: the store holds the documents' text), the folder made with
-the matching x bits. `verify_dir` and `prune_dir` know every kind of file the folder may hold.
-
-A folder that cannot be written (read-only, full, no permission) never fails a request: reads go on,
-writes are kept in memory only, one `StoreWriteWarning` per folder says so, and every later write is
-tried again, so the store is written again as soon as the folder takes writes (no restart needed).
+This module holds the K/V file format (`write_entry`, `read_entry`) and `DiskStore`. The folder also holds
+the document index and drift maps: `verify_dir` and `prune_dir`, which know every kind of file it may hold,
+are in store/folder.py; the write helpers all its files share, and why a folder that cannot be written
+never fails a request, in store/files.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-import re
 import threading
-import time
-import uuid
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -40,171 +32,33 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from kvboost_rag.store.base import KVEntry, KVStore
+from kvboost_rag.store.files import (
+    DEFAULT_FILE_MODE,
+    _mtime,
+    check_file_mode,
+    make_dir,
+    write_atomic,
+    write_failed,
+    write_succeeded,
+)
 from kvboost_rag.store.quant import QuantizedKV, StoredEntry, decode_entry, encode_entry
 
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; prune then tells in-flight temp files by age alone
-    fcntl = None
-
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # for annotations only: at run time folder.py imports this module (see DiskStore.verify)
+    from kvboost_rag.store.folder import PruneReport, VerifyReport
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
-TEMP_SUFFIX = ".tmp"
-DEFAULT_FILE_MODE = 0o600
 _DTYPES = {
     str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 }
-# What each name in the folder is (see file_kind). Prefix keys are written as lowercase hex by entry_path.
-_KINDS = (
-    ("entry", re.compile(r"(?:[0-9a-f]{2})+\.safetensors")),
-    ("drift", re.compile(r"drift-[0-9a-f]{16}\.safetensors")),  # drift.save, named by the engine
-    ("documents", re.compile(r"documents-[0-9a-f]{16}\.jsonl")),  # DocumentIndex, named by the engine
-    ("index", re.compile(r"index-[0-9a-f]{16}\.json")),  # DiskStore's own index
-)
 
 
 class StoreIntegrityWarning(UserWarning):
     """A stored KV file was ignored because it is damaged, foreign or of another format version."""
 
 
-class StoreWriteWarning(RuntimeWarning):
-    """The store folder cannot be written (read-only, full, no permission): what is new stays in memory."""
-
-
 class BadEntryFile(Exception):
     """A KV file that must not be served; `str()` says what is wrong with it."""
-
-
-# -- writing any file of the folder ------------------------------------------------------------
-
-
-def check_file_mode(file_mode: int) -> int:
-    """`file_mode`, or a ValueError saying what a valid one is."""
-    if not isinstance(file_mode, int) or file_mode & ~0o777 or file_mode & 0o600 != 0o600:
-        raise ValueError(
-            f"StoreConfig.file_mode must be permission bits that let the owner read and write, such as 0o600 "
-            f"(owner only), 0o640 (and the group) or 0o644 (everyone); got {file_mode!r}"
-        )
-    return file_mode
-
-
-def folder_mode(file_mode: int) -> int:
-    """The folder's permissions for files of `file_mode`: whoever may read the files may list the folder."""
-    return file_mode | (file_mode & 0o444) >> 2
-
-
-def make_dir(directory: Path, file_mode: int = DEFAULT_FILE_MODE) -> None:
-    """Create `directory` (and its parents) if missing. Only a folder made here gets `folder_mode`: an
-    existing one is the user's, and keeps its permissions."""
-    directory = Path(directory)
-    if directory.is_dir():
-        return
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(directory, folder_mode(file_mode))
-    except FileExistsError:
-        return
-    os.chmod(directory, folder_mode(file_mode))  # mkdir's mode is cut by the umask
-
-
-def write_atomic(path: Path, data: bytes, file_mode: int = DEFAULT_FILE_MODE) -> None:
-    """Write `path` atomically, with permissions `file_mode` whatever the umask."""
-    path = Path(path)
-    # Unique per writer, so concurrent writers of one key never share a temp file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, file_mode)
-    try:
-        lock_file(fd)  # held until after the rename: prune never removes a temp file still being written
-        os.fchmod(fd, file_mode)  # os.open's mode is cut by the umask
-        write_all(fd, data)
-        os.fsync(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # on a read-only or vanished folder there is nothing to clean
-            tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
-    _fsync_dir(path.parent)
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """os.write until every byte is written (a write may take fewer; a full disk then raises ENOSPC)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def lock_file(fd: int, *, block: bool = True) -> bool:
-    """Take the exclusive advisory lock of an open file; False when `block` is off and another holds it.
-    Where the filesystem has no locks, go on unlocked (prune then tells in-flight temp files by age)."""
-    if fcntl is None:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
-    except BlockingIOError:
-        return False
-    except OSError:  # ENOLCK, EINVAL: a filesystem without flock
-        return True
-    return True
-
-
-def is_locked(path: Path) -> bool:
-    """Whether a writer holds `path`'s lock (False where locks are unsupported, or the file is gone)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        return not lock_file(fd, block=False)
-    finally:
-        os.close(fd)  # releases the lock if we took it
-
-
-_failing: set[str] = set()  # folders whose last write failed, warned about once
-_failing_lock = threading.Lock()
-
-
-def write_failed(directory: Path, error: OSError) -> None:
-    """Say once per folder (per outage) that it cannot be written; later failures are only logged."""
-    key = os.path.abspath(directory)
-    with _failing_lock:
-        first = key not in _failing
-        _failing.add(key)
-    if not first:
-        log.info("still cannot write to the store folder %s: %s", directory, error)
-        return
-    warnings.warn(
-        f"kvboost-rag: cannot write to the store folder {directory} ({error}). Answers are not affected: what is "
-        "stored there is still read, and new KV and documents are kept in memory only, so the next process "
-        "recomputes them. Every later write tries again, so the store is written as soon as the folder takes "
-        "writes: free space on its disk or make it writable (or set StoreConfig.disk_dir to another folder). "
-        "Further failures are logged, not warned.",
-        StoreWriteWarning,
-        stacklevel=4,
-    )
-
-
-def write_succeeded(directory: Path) -> None:
-    """End an outage: the next failure in this folder warns again."""
-    if _failing:  # the common case, no lock
-        with _failing_lock:
-            _failing.discard(os.path.abspath(directory))
-
-
-def file_kind(path: Path) -> str:
-    """What a name in the store folder is: "entry" (a K/V file), "drift" (fitted drift maps),
-    "documents" (the document index), "index" (this tier's index), "temp" (a write in flight or
-    interrupted) or "other" (not named like any of ours)."""
-    name = Path(path).name
-    if name.endswith(TEMP_SUFFIX):
-        return "temp"
-    for kind, pattern in _KINDS:
-        if pattern.fullmatch(name):
-            return kind
-    return "other"
 
 
 # -- one file ----------------------------------------------------------------------------------
@@ -325,19 +179,6 @@ def _checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _warn_bad(path: Path, problem: str) -> None:
     warnings.warn(
         f"kvboost-rag: ignoring stored KV file {path}: {problem}. The chunk will be recomputed and the "
@@ -346,204 +187,6 @@ def _warn_bad(path: Path, problem: str) -> None:
         StoreIntegrityWarning,
         stacklevel=3,
     )
-
-
-# -- the whole directory ----------------------------------------------------------------------
-
-
-@dataclass
-class VerifyReport:
-    """What `verify_dir` found: every file of the folder, by kind."""
-
-    good: list[Path] = field(default_factory=list)  # intact K/V files (of the fingerprint, when one is given)
-    bad: dict[Path, str] = field(default_factory=dict)  # any file that fails its checks -> what is wrong
-    foreign: list[Path] = field(default_factory=list)  # intact K/V files of another fingerprint
-    fingerprints: dict[str, int] = field(default_factory=dict)  # intact K/V files per fingerprint
-    temp_files: list[Path] = field(default_factory=list)  # left by interrupted writes (or in flight)
-    drift_maps: list[Path] = field(default_factory=list)  # intact fitted drift maps
-    documents: dict[Path, int] = field(default_factory=dict)  # document index -> intact records
-    # Document index -> (line, why) of each record the engine would skip; such a file is also in `bad`.
-    bad_records: dict[Path, list[tuple[int, str]]] = field(default_factory=dict)
-    indexes: list[Path] = field(default_factory=list)  # the disk tier's own index files (readable)
-    unknown: list[Path] = field(default_factory=list)  # not kvboost-rag's: never removed
-
-    @property
-    def ok(self) -> bool:
-        """Every file is intact or of a known kind (temp files are; unknown ones are not)."""
-        return not self.bad and not self.unknown
-
-
-@dataclass
-class PruneReport:
-    removed: list[tuple[Path, str]]  # file, why
-    freed_bytes: int
-    kept_files: int  # K/V files
-    kept_bytes: int
-    dry_run: bool
-    compacted: list[tuple[Path, str]] = field(default_factory=list)  # document indexes rewritten, what was dropped
-
-
-def list_entry_files(directory: Path) -> list[Path]:
-    """The K/V files in `directory` (named by their prefix key), sorted."""
-    return sorted(p for p in Path(directory).glob(f"*{SUFFIX}") if file_kind(p) == "entry" and p.is_file())
-
-
-def verify_dir(directory: str | os.PathLike, fingerprint: str | None = None) -> VerifyReport:
-    """Check every file in the folder as its kind says: K/V files read in full (checksums included),
-    drift maps loaded, document indexes record by record, this tier's index parsed; temp files and
-    files that are not kvboost-rag's listed. Without a fingerprint, any intact K/V file is good and
-    `fingerprints` says how many each model wrote."""
-    # documents.py writes its file with this module's helpers, so it imports this module, not the reverse.
-    from kvboost_rag.documents import describe_bad_records, read_records
-
-    directory = Path(directory)
-    report = VerifyReport()
-    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
-        kind = file_kind(path) if path.is_file() else "other"
-        try:
-            if kind == "entry":
-                _verify_entry(path, fingerprint, report)
-            elif kind == "drift":
-                _check_drift(path)
-                report.drift_maps.append(path)
-            elif kind == "documents":
-                docs, problems = read_records(path)
-                report.documents[path] = len(docs)
-                if problems:
-                    report.bad_records[path] = problems
-                    report.bad[path] = describe_bad_records(problems)
-            elif kind == "index":
-                _check_index(path)
-                report.indexes.append(path)
-            elif kind == "temp":
-                report.temp_files.append(path)
-            elif path.name.endswith(SUFFIX) and path.is_file() and _has_our_metadata(path):
-                report.bad[path] = "kvboost-rag metadata, but the file name is not a prefix key: never served"
-            else:
-                report.unknown.append(path)
-        except FileNotFoundError:
-            continue  # removed while we looked
-        except (BadEntryFile, OSError) as e:
-            report.bad[path] = str(e)
-    return report
-
-
-def _verify_entry(path: Path, fingerprint: str | None, report: VerifyReport) -> None:
-    try:
-        read_entry(path, prefix_key=bytes.fromhex(path.stem))
-        owner = read_header(path)["fingerprint"]
-    except KeyError as e:
-        raise BadEntryFile(f"no {e} in its metadata") from e
-    report.fingerprints[owner] = report.fingerprints.get(owner, 0) + 1
-    (report.good if fingerprint in (None, owner) else report.foreign).append(path)
-
-
-def _check_drift(path: Path) -> None:
-    """What the engine's drift.load checks without the model (it also checks the shapes against the model)."""
-    from kvboost_rag import drift  # drift.save writes with this module's helpers: imported here, not at the top
-
-    with _open(path) as f:
-        meta = f.metadata() or {}
-        try:
-            keys, values = f.get_tensor("keys"), f.get_tensor("values")
-        except Exception as e:  # safetensors' own error types: a missing tensor or damaged bytes
-            raise BadEntryFile(f"unreadable drift maps ({e})") from e
-    if meta.get("version") != str(drift.VERSION):
-        raise BadEntryFile(f"drift maps of version {meta.get('version')!r}, this kvboost-rag reads {drift.VERSION}: "
-                           "refit them with KVBoost.fit_drift()")
-    if meta.get("fingerprint", "")[:16] != path.stem.removeprefix("drift-"):
-        raise BadEntryFile(f"drift maps for model fingerprint {meta.get('fingerprint')!r}, not the one its name says")
-    if keys.dim() != 5 or keys.shape != values.shape or keys.shape[-2] != keys.shape[-1] + 1:
-        raise BadEntryFile(f"drift maps of shape {list(keys.shape)} / {list(values.shape)}, not [P, L, H, D + 1, D]")
-    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
-        raise BadEntryFile("drift maps hold NaN or infinite numbers")
-
-
-def _check_index(path: Path) -> None:
-    try:
-        doc = json.loads(path.read_bytes())
-        if not (isinstance(doc.get("content"), dict) and isinstance(doc.get("others"), list)):
-            raise ValueError("no content or others")
-    except (ValueError, AttributeError) as e:
-        raise BadEntryFile(f"unreadable store index ({e}); the disk tier rebuilds it from the files") from e
-
-
-def _has_our_metadata(path: Path) -> bool:
-    try:
-        meta = read_header(path)
-    except (BadEntryFile, OSError):
-        return False
-    return "format_version" in meta and "prefix_key" in meta
-
-
-def prune_dir(
-    directory: str | os.PathLike,
-    fingerprint: str | None = None,
-    *,
-    max_bytes: int | None = None,
-    max_age_s: float | None = None,
-    remove_foreign: bool = False,
-    dry_run: bool = False,
-    temp_grace_s: float = 60.0,
-) -> PruneReport:
-    """Remove bad files and left-over temp files, and drop the bad records of document indexes; then,
-    least recently used first (reads bump a file's mtime), K/V files unused for `max_age_s` and as many
-    as it takes to fit `max_bytes`. Intact K/V files of another fingerprint are kept unless
-    `remove_foreign`. Intact drift maps and document indexes, and files not kvboost-rag's, are never
-    removed."""
-    from kvboost_rag.documents import drop_bad_records  # see verify_dir
-
-    report = verify_dir(directory, fingerprint)
-    now = time.time()
-    sizes = {
-        p: st.st_size
-        for p in [*report.bad, *report.temp_files, *report.good, *report.foreign]
-        if (st := _stat(p)) is not None
-    }
-    # A document index is compacted, not removed: its good records are the documents' tokenization.
-    doomed = [(p, f"damaged: {why}") for p, why in report.bad.items() if p not in report.bad_records]
-    doomed += [(p, "stale temp file") for p in report.temp_files if _left_over(p, now, temp_grace_s)]
-    if remove_foreign:
-        doomed += [(p, "written for another model fingerprint") for p in report.foreign]
-    kept = [p for p in report.good + ([] if remove_foreign else report.foreign) if p in sizes]
-    kept_bytes = sum(sizes[p] for p in kept)
-    for path in sorted((p for p in report.good if p in sizes), key=_mtime):
-        if max_age_s is not None and now - _mtime(path) > max_age_s:
-            why = f"unused for more than {max_age_s:.0f} s"
-        elif max_bytes is not None and kept_bytes > max_bytes:
-            why = f"over the {max_bytes}-byte target"
-        else:
-            continue
-        doomed.append((path, why))
-        kept.remove(path)
-        kept_bytes -= sizes[path]
-    freed = sum(sizes.get(p, 0) for p, _ in doomed)
-    compacted = [(p, f"dropped {len(problems)} bad record(s)") for p, problems in report.bad_records.items()]
-    if not dry_run:
-        for path, _ in doomed:
-            path.unlink(missing_ok=True)
-        freed += sum(drop_bad_records(path) for path, _ in compacted)
-    return PruneReport(doomed, freed, len(kept), kept_bytes, dry_run, compacted)
-
-
-def _left_over(path: Path, now: float, grace_s: float) -> bool:
-    """A temp file is left over from an interrupted write, not in flight, when no writer holds its lock
-    (write_atomic holds it from just after creating the file until after the rename) and it is older than
-    `grace_s`, which covers the instant between creation and lock and filesystems without locks. An
-    interrupted write is never resumed, so waiting costs only the disk space for a minute."""
-    return now - _mtime(path) > grace_s and not is_locked(path)
-
-
-def _stat(path: Path) -> os.stat_result | None:
-    try:
-        return path.stat()
-    except OSError:
-        return None
-
-
-def _mtime(path: Path) -> float:
-    st = _stat(path)
-    return st.st_mtime if st is not None else 0.0
 
 
 # -- the store ---------------------------------------------------------------------------------
@@ -671,6 +314,10 @@ class DiskStore(KVStore):
 
     def verify(self) -> VerifyReport:
         """Check every file in the directory against this store's fingerprint; see `verify_dir`."""
+        # folder.py reads K/V files with this module's format, so it imports this module: imported here,
+        # not at the top, or the two would import each other (likewise in the methods below).
+        from kvboost_rag.store.folder import verify_dir
+
         return verify_dir(self.directory, self.fingerprint)
 
     def prune(
@@ -682,6 +329,8 @@ class DiskStore(KVStore):
         dry_run: bool = False,
     ) -> PruneReport:
         """Remove bad files, and more to meet the limits; see `prune_dir`. The index follows."""
+        from kvboost_rag.store.folder import prune_dir  # see verify
+
         report = prune_dir(
             self.directory,
             self.fingerprint,
@@ -756,6 +405,8 @@ class DiskStore(KVStore):
 
     def _sync_index(self) -> None:
         """Load the index and reconcile it with the files actually present."""
+        from kvboost_rag.store.folder import list_entry_files  # see verify
+
         on_disk = {p.stem for p in list_entry_files(self.directory)}
         self._warn_misnamed()
         content_of, others, loaded = self._load_index()
@@ -809,6 +460,8 @@ class DiskStore(KVStore):
     def _warn_misnamed(self) -> None:
         """A file of ours under a name that is no prefix key is never served (only prefix-key names are
         read): say so once, rather than fail every request that finds it by its content key."""
+        from kvboost_rag.store.folder import file_kind  # see verify
+
         for path in sorted(self.directory.glob(f"*{SUFFIX}")) if self.directory.is_dir() else []:
             if file_kind(path) in ("entry", "drift"):
                 continue

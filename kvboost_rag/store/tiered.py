@@ -3,7 +3,7 @@
 Writes go to both tiers at once (write-through), so a memory eviction loses nothing and needs no
 spill. Reads try memory, then disk; a disk hit is promoted into memory in its stored form, so it
 is never re-quantized. A disk write that fails (full, read-only) costs future reuse, never the
-request: the entry stays in memory, the folder is warned about once (`disk.write_failed`), and the
+request: the entry stays in memory, the folder is warned about once (`files.write_failed`), and the
 next write tries the disk again.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from kvboost_rag.config import StoreConfig
 from kvboost_rag.store.base import KVEntry, KVStore
-from kvboost_rag.store.disk import DiskStore, check_file_mode, write_failed
+from kvboost_rag.store.disk import DiskStore
+from kvboost_rag.store.files import check_file_mode, write_failed
 from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.quant import SUPPORTED_BITS, StoredEntry, decode_entry, encode_entry
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from kvboost_rag import ChunkingConfig, EngineConfig, StoreConfig
-from kvboost_rag.store.disk import StoreIntegrityWarning, entry_path, verify_dir
+from kvboost_rag.store.disk import StoreIntegrityWarning, entry_path
+from kvboost_rag.store.folder import verify_dir
 
 
 def test_ingest_in_one_process_answer_in_another(tmp_path, docs):

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from kvboost_rag.cli import store as store_cli
 from kvboost_rag.config import StoreConfig
-from kvboost_rag.store.disk import DiskStore, StoreIntegrityWarning, entry_path, prune_dir, verify_dir
+from kvboost_rag.store.disk import DiskStore, StoreIntegrityWarning, entry_path
+from kvboost_rag.store.folder import prune_dir, verify_dir
 from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.quant import decode_entry, encode_entry
 from kvboost_rag.store.tiered import TieredStore, make_store

@@ -30,16 +30,9 @@ from kvboost_rag import EngineConfig, StoreConfig, drift
 from kvboost_rag.chunking import Chunk
 from kvboost_rag.cli import store as store_cli
 from kvboost_rag.documents import Document, DocumentIndex, encode_record
-from kvboost_rag.store.disk import (
-    DiskStore,
-    StoreIntegrityWarning,
-    StoreWriteWarning,
-    entry_path,
-    list_entry_files,
-    prune_dir,
-    verify_dir,
-    write_atomic,
-)
+from kvboost_rag.store.disk import DiskStore, StoreIntegrityWarning, entry_path
+from kvboost_rag.store.files import StoreWriteWarning, write_atomic
+from kvboost_rag.store.folder import list_entry_files, prune_dir, verify_dir
 from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.tiered import TieredStore, make_store
 
@@ -525,9 +518,9 @@ def test_a_killed_writers_temp_file_is_pruned(tmp_path):
     code = f"""
 import os, signal, sys
 sys.path[:0] = [{str(REPO)!r}]
-from kvboost_rag.store import disk
+from kvboost_rag.store import files
 os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # killed after writing, before the rename
-disk.write_atomic(disk.Path({str(tmp_path)!r}) / "index-0123456789abcdef.json", b"{{}}")
+files.write_atomic(files.Path({str(tmp_path)!r}) / "index-0123456789abcdef.json", b"{{}}")
 """
     done = subprocess.run([sys.executable, "-c", code], timeout=120)
     assert done.returncode == -9
@@ -591,3 +584,31 @@ def test_tiered_store_warns_once_across_kv_and_index_writes(tmp_path, store_make
     assert len(_store_warnings(record)) == 1 and len(store.memory) == 3
     store.put(store_make_entry(9))  # writable again
     assert store.disk.contains(store_make_entry(9).prefix_key)
+
+
+def test_ask_on_a_read_only_store_answers_and_exits_0(make_tiny_engine, docs, tmpfs, monkeypatch, capsys):
+    """The CLI as a user runs it: the store went read-only since it was filled; `ask` still answers, warns
+    once, and exits 0 (it used to print its answer, then fail in close() with a traceback and exit 1)."""
+    from kvboost_rag.cli import main as cli_main
+    from kvboost_rag.engine import KVBoost
+
+    monkeypatch.setattr(KVBoost, "from_pretrained", classmethod(lambda cls, *a, config=None: make_tiny_engine(config)))
+    paths = []
+    for i, text in enumerate(docs):
+        paths.append(tmpfs / f"doc{i}.txt")
+        paths[-1].write_text(text)
+    store = tmpfs / "store"
+    argv = ["ask", "Who founded the company?", "--docs", *map(str, paths), "--store", str(store),
+            "--max-new-tokens", "2"]
+    assert cli_main(argv) == 0
+    _remount(tmpfs, "ro")
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            # Another ingestion context: another fingerprint, so its index does not exist and cannot be made.
+            assert cli_main(argv[:3] + [*map(str, paths), "--store", str(store), "--max-new-tokens", "2",
+                                        "--doc-context", "none"]) == 0
+        assert len(_store_warnings(record)) == 1
+    finally:
+        _remount(tmpfs, "rw")
+    assert "[cacheblend]" in capsys.readouterr().out
