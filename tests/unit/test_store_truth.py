@@ -148,3 +148,20 @@ def test_a_pin_that_does_not_fit_leaves_nothing_pinned(make_tiny_engine, docs):
     roomy.ingest(docs[:1], pin=True)
     assert roomy.counters["documents_computed"] == 1
     assert roomy.store.stats()["memory"]["pinned_bytes"] == roomy.store.nbytes
+
+
+def test_the_ingestion_context_is_encoded_once_and_documents_attend_to_it(make_tiny_engine, docs):
+    engine = make_tiny_engine()
+    starts = []
+    run_layers = engine.adapter.run_layers
+    engine.adapter.run_layers = lambda hidden, positions, *a, **kw: (starts.append(int(positions[0])),
+                                                                      run_layers(hidden, positions, *a, **kw))[1]
+    engine.ingest(docs)
+    offset = sum(len(tokens) for tokens, _ in engine._doc_context)
+    assert starts == [0] + [offset] * len(docs)  # the context once, then each document after it
+    # What is stored is what one pass over context + document gives (fp32).
+    ids, cache = engine._encode_after_context(engine.document(docs[2]))
+    keys, values = engine.adapter.reference_kv(ids)
+    stored_keys, stored_values = cache.read(offset, ids.shape[0])
+    assert torch.allclose(stored_keys, keys[:, :, offset:], atol=1e-5)
+    assert torch.allclose(stored_values, values[:, :, offset:], atol=1e-5)

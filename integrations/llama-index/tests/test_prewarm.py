@@ -28,9 +28,10 @@ class Computed:
         self.documents = engine.counters["documents_computed"]
         real = engine.adapter.run_layers
 
-        def counted(*args, **kwargs):
-            self.forwards += 1
-            return real(*args, **kwargs)
+        def counted(hidden, positions, *args, **kwargs):
+            # The ingestion context is encoded once per engine, from position 0; documents come after it.
+            self.forwards += not (engine._doc_context and engine._context_cache is None and int(positions[0]) == 0)
+            return real(hidden, positions, *args, **kwargs)
 
         monkeypatch.setattr(engine.adapter, "run_layers", counted)
 
