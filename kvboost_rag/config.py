@@ -75,6 +75,17 @@ def _check_choice(name: str, value, choices: tuple) -> None:
         raise ConfigError(name, f"unknown {name} {value!r}; use one of {', '.join(map(str, choices))}")
 
 
+def check_file_mode(file_mode: int) -> int:
+    """`file_mode` (StoreConfig.file_mode), or a ConfigError saying what a valid one is. The store reads back
+    and replaces what it writes, so the owner keeps read and write."""
+    if not _is_int(file_mode) or not 0 <= file_mode <= 0o777 or file_mode & 0o600 != 0o600:
+        shown = oct(file_mode) if _is_int(file_mode) else repr(file_mode)
+        raise ConfigError("file_mode", f"StoreConfig.file_mode must be permission bits (0 to 0o777) that let the "
+                                       f"owner read and write, such as 0o600 (owner only), 0o640 (and the group) "
+                                       f"or 0o644 (everyone); got {shown}")
+    return file_mode
+
+
 def check_strategy(strategy: str) -> str:
     """The strategy name, or a ValueError listing the known ones."""
     _check_choice("strategy", strategy, STRATEGIES)
@@ -207,12 +218,7 @@ class StoreConfig:
             raise ConfigError("kv_bits", f"StoreConfig.kv_bits must be one of {', '.join(map(str, KV_BITS))}, got "
                                          f"{self.kv_bits!r} (16 keeps the compute dtype, 8 and 4 quantize)")
         check_int(self, "group_size", 1)
-        # The store reads back and replaces what it writes: the owner keeps read and write.
-        if not _is_int(self.file_mode) or not 0 <= self.file_mode <= 0o777 or self.file_mode & 0o600 != 0o600:
-            shown = oct(self.file_mode) if _is_int(self.file_mode) else repr(self.file_mode)
-            raise ConfigError("file_mode", f"StoreConfig.file_mode must be a permission mode (0 to 0o777) that "
-                                           f"keeps the owner's read and write bits (0o600, 0o640, 0o644...), "
-                                           f"got {shown}")
+        check_file_mode(self.file_mode)
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ from pathlib import Path
 import xxhash
 
 from .chunking import Chunk
+from .config import check_file_mode
 from .store.disk import StoreIntegrityWarning
 from .store.files import (
     DEFAULT_FILE_MODE,
-    check_file_mode,
     lock_file,
     make_dir,
     write_all,

@@ -287,10 +287,8 @@ class KVBoost:
 
     def render(self, prompt: str | Messages) -> str:
         """A chat (list of {"role", "content"}) through the model's chat template; a string as it is."""
-        if isinstance(prompt, str):
-            return check_text(prompt, "the prompt")
-        if isinstance(prompt, (bytes, bytearray)):
-            check_text(prompt, "the prompt")
+        if isinstance(prompt, (str, bytes, bytearray)):
+            return check_text(prompt, "the prompt")  # bytes are refused there, with what to do
         for message in prompt:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, (str, bytes, bytearray)):

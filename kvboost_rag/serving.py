@@ -53,6 +53,14 @@ def check_sampling(call: dict) -> dict:
     return {**call, "stop": params.stop} if "stop" in call else call
 
 
+def check_llm_fields(llm) -> None:
+    """An LLM class's own sampling and repair fields (ChatKVBoost, KVBoostLLM: the same names) checked as a
+    call would check them, so a bad setting fails when the object is made, not at its first call."""
+    check_sampling({"max_new_tokens": llm.max_tokens, "temperature": llm.temperature, "top_p": llm.top_p,
+                    "top_k": llm.top_k, "stop": llm.stop, "seed": llm.seed})
+    check_repair_knobs({name: getattr(llm, name) for name in REPAIR_FIELDS})
+
+
 def repair_overrides(engine: KVBoost, values: dict) -> RepairConfig | None:
     """The engine's repair config with the knobs given a value (not None) replaced, checked against the
     engine's model too (check_layer below its layers); None when none is given."""

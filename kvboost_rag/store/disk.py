@@ -31,11 +31,11 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save
 
+from kvboost_rag.config import check_file_mode
 from kvboost_rag.store.base import KVEntry, KVStore
 from kvboost_rag.store.files import (
     DEFAULT_FILE_MODE,
     _mtime,
-    check_file_mode,
     make_dir,
     write_atomic,
     write_failed,

@@ -34,16 +34,6 @@ TEMP_SUFFIX = ".tmp"
 DEFAULT_FILE_MODE = 0o600
 
 
-def check_file_mode(file_mode: int) -> int:
-    """`file_mode`, or a ValueError saying what a valid one is."""
-    if not isinstance(file_mode, int) or file_mode & ~0o777 or file_mode & 0o600 != 0o600:
-        raise ValueError(
-            f"StoreConfig.file_mode must be permission bits that let the owner read and write, such as 0o600 "
-            f"(owner only), 0o640 (and the group) or 0o644 (everyone); got {file_mode!r}"
-        )
-    return file_mode
-
-
 def folder_mode(file_mode: int) -> int:
     """The folder's permissions for files of `file_mode`: whoever may read the files may list the folder."""
     return file_mode | (file_mode & 0o444) >> 2

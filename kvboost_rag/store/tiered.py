@@ -12,9 +12,9 @@ from __future__ import annotations
 from kvboost_rag.config import StoreConfig
 from kvboost_rag.store.base import KVEntry, KVStore
 from kvboost_rag.store.disk import DiskStore
-from kvboost_rag.store.files import check_file_mode, write_failed
+from kvboost_rag.store.files import write_failed
 from kvboost_rag.store.memory import MemoryStore
-from kvboost_rag.store.quant import SUPPORTED_BITS, StoredEntry, decode_entry, encode_entry
+from kvboost_rag.store.quant import StoredEntry, decode_entry, encode_entry
 
 
 class TieredStore(KVStore):
@@ -88,11 +88,7 @@ class TieredStore(KVStore):
 
 def make_store(config: StoreConfig, fingerprint: str) -> KVStore:
     """The store a StoreConfig describes: memory with its budget, and disk when `disk_dir` is set."""
-    if config.kv_bits not in SUPPORTED_BITS:
-        raise ValueError(f"StoreConfig.kv_bits must be one of {SUPPORTED_BITS}, got {config.kv_bits}")
-    if config.group_size < 1:
-        raise ValueError(f"StoreConfig.group_size must be positive, got {config.group_size}")
-    check_file_mode(config.file_mode)
+    # Every field was checked when the StoreConfig was made (StoreConfig.__post_init__).
     memory = MemoryStore(config.memory_budget_bytes, kv_bits=config.kv_bits, group_size=config.group_size)
     disk = None
     if config.disk_dir is not None:

@@ -27,6 +27,7 @@ from kvboost_rag.serving import (
     REPAIR_FIELDS,
     astream_pieces,
     check_engine_doc_context,
+    check_llm_fields,
     check_repair_knobs,
     check_sampling,
     model_key,
@@ -148,10 +149,7 @@ class ChatKVBoost(BaseChatModel):
 
     @model_validator(mode="after")
     def _settings_in_range(self) -> ChatKVBoost:
-        # The engine's own checks (finite numbers, seeds, stop strings), so a setting fails here, not at a call.
-        check_sampling({"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                        "top_k": self.top_k, "stop": self.stop, "seed": self.seed})
-        check_repair_knobs({name: getattr(self, name) for name in REPAIR_FIELDS})
+        check_llm_fields(self)  # the engine's own checks (finite numbers, seeds, stop strings)
         return self
 
     @model_validator(mode="after")
