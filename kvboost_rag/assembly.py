@@ -22,10 +22,10 @@ import torch
 
 from . import keys as keyring
 from .adapter import ModelAdapter
-from .documents import Document, DocumentIndex
 from .drift import DriftMaps, place
 from .kvcache import KVBuffers
 from .store.base import KVEntry, KVStore
+from .store.documents import Document, DocumentIndex
 
 EXACT, APPROX, COMPUTE = "exact", "approx", "compute"
 
@@ -136,6 +136,36 @@ def _text_chunks(ids: tuple[int, ...], max_chunk_tokens: int,
         chunks += [(ids[j:min(j + max_chunk_tokens, cut)], False) for j in range(start, cut, max_chunk_tokens)]
         start = cut
     return chunks
+
+
+# doc_context "passage": what a document is encoded after, so that its KV looks like a later document's.
+# Written for kvboost-rag: neutral prose with no entity, number or name a question could ask about.
+CONTEXT_PASSAGE = ("The notes below were gathered from several sources and arranged for easy reading. Each part "
+                   "describes one subject on its own, in plain language, and the parts may be read in any order. "
+                   "Some details were checked against older records, while others come from people who knew the "
+                   "subject well. Where sources disagreed, the more recent account was kept. Small changes to "
+                   "spelling and wording were made so that the parts read alike.")
+
+
+def ingestion_context(doc_context: str, render, tokenizer, max_chunk_tokens: int, bos_ids: tuple[int, ...],
+                      special_ids: frozenset[int]) -> list[tuple[tuple[int, ...], bool]]:
+    """The chunks a document is encoded after at ingestion (ChunkingConfig.doc_context), tokenized as a prompt
+    holding them would be; `render` is the engine's (chat messages -> text)."""
+    if doc_context == "none":
+        return []
+    marker = "\x00kvboost-doc\x00"
+    try:
+        rendered = render([{"role": "user", "content": marker}])
+        opening = rendered[: rendered.index(marker)]
+    except ValueError:
+        opening = ""  # no chat template: nothing to encode after, or the passage alone (after BOS)
+    if doc_context == "template" and not opening:
+        return []
+    segments = [opening] if opening else []
+    if doc_context == "passage":
+        segments += [CONTEXT_PASSAGE, "\n\n"]  # each its own chunk, as a prompt's documents and separators
+    # Followed by a word, as a document follows them in a prompt (its text is stripped: no space first).
+    return tokenize_context(segments, "Document", tokenizer, max_chunk_tokens, bos_ids, special_ids)
 
 
 def tokenize_context(texts: list[str], follower: str, tokenizer, max_chunk_tokens: int,

@@ -1,8 +1,8 @@
 """Frozen configuration: everything that is fixed for the life of an engine.
 
 Per-request state (the prompt, the strategy chosen for it) lives in the engine's call arguments,
-never here. Anything that changes the numbers in a stored KV chunk is part of `ChunkingConfig` and
-so of the model fingerprint (see `keys.model_fingerprint`).
+never here; strategies are named by the registry in `repair/`. Anything that changes the numbers in a
+stored KV chunk is part of `ChunkingConfig` and so of the model fingerprint (see `keys.model_fingerprint`).
 
 Every field is checked when a config is made (`__post_init__`, so `dataclasses.replace` checks too):
 a value out of range raises a `ConfigError` (a ValueError) naming the field, the value and the range,
@@ -19,13 +19,8 @@ from numbers import Integral, Real
 from pathlib import Path
 
 DOC_CONTEXTS = ("none", "template", "passage")
-STRATEGIES = ("full", "prefix", "naive", "selective", "cacheblend", "queryaware")
-# queryaware: documents in the prompt's order, or the ones the question needs moved last.
-QA_ORDERS = ("prompt", "relevance_last")
-# queryaware: what of the reused documents after the first chosen one is also recomputed.
-QA_AFTERS = ("none", "all", "attn")
-# cacheblend: how reused tokens are ranked, by KV deviation (the method) or at random (the control).
-SELECTS = ("deviation", "random")
+# The fidelity guard's named levels (fidelity.LEVELS, repeated so a config is checked without torch).
+FIDELITY_LEVELS = ("fast", "balanced", "strict")
 # Names of the compute dtypes (models.DTYPES) and the stored KV precisions (store.quant.SUPPORTED_BITS),
 # repeated here so that a config can be checked without importing torch; a unit test keeps them equal.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -86,22 +81,10 @@ def check_file_mode(file_mode: int) -> int:
     return file_mode
 
 
-def check_strategy(strategy: str) -> str:
-    """The strategy name, or a ValueError listing the known ones."""
-    _check_choice("strategy", strategy, STRATEGIES)
-    return strategy
-
-
 def check_doc_context(doc_context: str) -> str:
     """The ingestion context's name (ChunkingConfig.doc_context), or a ValueError listing the known ones."""
     _check_choice("doc_context", doc_context, DOC_CONTEXTS)
     return doc_context
-
-
-def check_order(order: str) -> str:
-    """The queryaware document order, or a ValueError listing the known ones."""
-    _check_choice("qa_order", order, QA_ORDERS)
-    return order
 
 
 @dataclass(frozen=True)
@@ -120,57 +103,38 @@ class ChunkingConfig:
         check_doc_context(self.doc_context)
 
 
+def knob(default, help: str):
+    """A dataclass field with the help text the CLI and both integrations show for it (declared once, here)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class RepairConfig:
-    # selective: how many leading tokens of every reused chunk are recomputed.
-    boundary_tokens: int = 16
-    # cacheblend: all tokens run through layers [0, check_layer]; deviation is measured there.
-    check_layer: int = 1
-    # cacheblend: fraction of reused tokens recomputed per layer after the check layer, averaged over
-    # those layers (the repair's cost; 1.0 recomputes everything).
-    recompute_ratio: float = 0.15
-    # cacheblend: the set is filtered again at every layer by that layer's deviation, shrinking
-    # geometrically so that the first layer after the check runs `taper` times more tokens than the
-    # last (1.0: one set for all layers, the original CacheBlend).
-    taper: float = 8.0
-    # cacheblend: deviation is weighted by ((position + 1) / n) ** recency before ranking (0: unweighted).
-    recency: float = 1.0
-    # cacheblend: round each layer's set to a multiple of this many tokens (0: exact counts), so that the
-    # shrinking sets repeat a few matrix shapes across layers and requests: kernels that set up per
-    # shape (oneDNN's bf16 on CPU) then reuse their setup. 16: bf16 1.46x -> 2.29x at the same KL; 64
-    # is as fast but too coarse for the deep layers' small sets (KL 0.28 -> 0.31 of naive's; docs/quality.md).
-    # -1 (auto): 16 when the model computes in a 16-bit float type, else exact (fp32 gains nothing
-    # measurable from rounding).
-    size_multiple: int = -1
-    # cacheblend (and relevance_last's repair): before repair, map the reused documents' K/V with the engine's
-    # drift maps (affine per layer and KV head from stale to true K/V, fitted on the corpus by
-    # `KVBoost.fit_drift`; see drift.py) when it has some. False: the K/V as stored.
-    drift: bool = True
-    # cacheblend: how far the drift maps move the K/V, from 0 (as stored) to 1 (as fitted): each map is
-    # blended with the identity (drift.blend).
-    drift_strength: float = 1.0
-    # cacheblend: how tokens are ranked, "deviation" (the method) or "random" (the control).
-    select: str = "deviation"
-    # cacheblend: seed of the random control, so a bench run is repeatable.
-    seed: int = 0
-    # queryaware: how many calibrated retrieval heads (best first) rank the documents for the question.
-    qa_heads: int = 3
-    # queryaware: tuning-split items the retrieval heads are calibrated on (once per model, cached on disk;
-    # a saved calibration on at least this many items is reused).
-    qa_calib_items: int = 24
-    # queryaware: how many documents, the question's top ones at the retrieval heads, are recomputed.
-    qa_docs: int = 1
-    # queryaware: what of the reused documents after the first chosen one is also recomputed:
-    # "none", "all", or "attn" (the qa_after_ratio fraction of their tokens the question attends to most).
-    qa_after: str = "none"
-    # queryaware: with qa_after="attn", the fraction of those later documents' tokens recomputed.
-    qa_after_ratio: float = 0.15
-    # queryaware: logit bias subtracted from the question's attention to the reused documents not chosen
-    # (0 = off): damps stale look-alikes against the recomputed document.
-    qa_damp: float = 0.0
-    # queryaware: "prompt" keeps the documents in place; "relevance_last" moves the chosen documents after
-    # the others before recomputing them (changes the prompt: no stale distractor follows the answer).
-    qa_order: str = "prompt"
+    """How a request's reused KV is repaired. Every field can be given per request (the CLI's flags, the LLM
+    classes' `repair` field and per-call keyword arguments all come from these fields)."""
+
+    boundary_tokens: int = knob(16, "selective: how many leading tokens of every reused chunk are recomputed")
+    check_layer: int = knob(1, "cacheblend: every token runs layers up to this one, where deviation is first "
+                               "measured")
+    recompute_ratio: float = knob(0.15, "cacheblend: fraction of reused tokens recomputed per layer after the "
+                                        "check layer, averaged over those layers (0 = naive, 1 = a full prefill)")
+    # The set is filtered again at every layer by that layer's deviation, shrinking geometrically.
+    taper: float = knob(8.0, "cacheblend: how many times more tokens the first repaired layer recomputes than "
+                             "the last (1 = one set for all layers, the original CacheBlend)")
+    # The question attends most to the documents just before it, and the later a document sits the more
+    # context its stored KV never saw.
+    recency: float = knob(1.0, "cacheblend: deviation is weighted by ((position + 1) / n) ** recency before "
+                               "ranking (0 = unweighted)")
+    # Shrinking sets that repeat a few matrix shapes let kernels that set up per shape (oneDNN's bf16 on CPU)
+    # reuse their setup: 16 took bf16 from 1.46x to 2.29x at the same KL; 64 was as fast but too coarse for
+    # the deep layers' small sets; fp32 gains nothing measurable (docs/method.md).
+    size_multiple: int = knob(-1, "cacheblend: round each layer's set to a multiple of this many tokens "
+                                  "(0 = exact counts, -1 = 16 in 16-bit dtypes, else exact)")
+    drift: bool = knob(True, "cacheblend: map the reused documents' K/V with the drift maps fitted on the "
+                             "corpus (KVBoost.calibrate) before repair, when the engine has some")
+    # See fidelity.py: the guard moves a request to an exact cache before a token it cannot trust.
+    fidelity: str | float = knob("balanced", "how sure each answer must be to equal a full prefill's: 'fast' (no "
+                                             "guard), 'balanced', 'strict', or the chance it may differ, e.g. 0.1")
 
     def __post_init__(self):
         check_int(self, "boundary_tokens", 0, hint="selective: 0 recomputes no reused token")
@@ -182,16 +146,12 @@ class RepairConfig:
         check_int(self, "size_multiple", -1, hint="-1 = auto, 0 = exact counts")
         if not isinstance(self.drift, bool):
             raise ConfigError("drift", f"RepairConfig.drift must be True or False, got {self.drift!r}")
-        check_number(self, "drift_strength", 0.0, 1.0, hint="0 serves the K/V as stored, 1 maps it as fitted")
-        _check_choice("select", self.select, SELECTS)
-        check_int(self, "seed", 0, SEED_LIMIT - 1)
-        check_int(self, "qa_heads", 1)
-        check_int(self, "qa_calib_items", 1)
-        check_int(self, "qa_docs", 0, hint="0 recomputes no document")
-        _check_choice("qa_after", self.qa_after, QA_AFTERS)
-        check_number(self, "qa_after_ratio", 0.0, 1.0)
-        check_number(self, "qa_damp", 0.0, hint="0 = off")
-        check_order(self.qa_order)
+        if isinstance(self.fidelity, str):
+            _check_choice("fidelity", self.fidelity, FIDELITY_LEVELS)
+        else:
+            check_number(self, "fidelity", 0.0, 1.0, above=True,
+                         hint="the chance an answer may differ from a full prefill's, or one of "
+                              + ", ".join(FIDELITY_LEVELS))
 
 
 @dataclass(frozen=True)
@@ -208,8 +168,17 @@ class StoreConfig:
     # holds every ingested document's text and its KV, so by default only the owner can read it;
     # 0o640 shares it with the group, 0o644 with everyone.
     file_mode: int = 0o600
+    # Shared tier behind memory and disk (store/redis.py), e.g. redis://host:6379/0, so that several processes
+    # and machines reuse one store; None = none. Client options go in the URL (?socket_timeout=5). Bound its
+    # size in Redis itself: maxmemory with maxmemory-policy allkeys-lru is safe (an evicted entry is a miss).
+    redis_url: str | None = None
 
     def __post_init__(self):
+        if self.redis_url is not None and not (isinstance(self.redis_url, str)
+                                               and self.redis_url.startswith(("redis://", "rediss://", "unix://"))):
+            raise ConfigError("redis_url", f"StoreConfig.redis_url must be a Redis URL: redis://host:6379/0, rediss:// "
+                                           f"for TLS or unix:///path/to/redis.sock, or None for no shared tier; got "
+                                           f"{self.redis_url!r}")
         if self.memory_budget_bytes is not None:
             check_int(self, "memory_budget_bytes", 0, hint="None = no limit")
         if self.disk_dir is not None and not isinstance(self.disk_dir, (str, os.PathLike)):
@@ -227,8 +196,13 @@ class EngineConfig:
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    # Ingestion fits the drift maps and the fidelity guard on the corpus by itself (calibrate.py); False: only
+    # when KVBoost.calibrate is called (a benchmark of a method without them, a test of something else).
+    calibrate: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.calibrate, bool):
+            raise ConfigError("calibrate", f"EngineConfig.calibrate must be True or False, got {self.calibrate!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
         for name, kind in (("chunking", ChunkingConfig), ("repair", RepairConfig), ("store", StoreConfig)):

@@ -15,10 +15,10 @@ the eighth follows seven documents. One map for every place is pulled towards th
 the calibration tokens) and misplaces the first document: the question then barely reads it, and answers
 held there were lost (0 of 37 held-out items right, where a full prefill gets 12). So there is one map per
 place, the i-th reused chunk of a prompt (the last map takes every chunk after it): 9 of 37 right
-(docs/quality.md, round 7). Same cost per request: one map per chunk either way.
+(research/notebook.md, round 7). Same cost per request: one map per chunk either way.
 
 The maps belong to a corpus, not only to a model: maps fitted on the synthetic look-alike documents
-make CPython documentation passages worse (docs/quality.md, round 4), maps fitted on other passages of
+make CPython documentation passages worse (research/notebook.md, round 4), maps fitted on other passages of
 the same documentation improve them. So they are fitted on what the engine has ingested
 (`KVBoost.fit_drift`, typically at the end of an ingestion job) and saved next to the store's disk tier.
 """
@@ -56,25 +56,6 @@ class DriftMaps:
         return self.keys.shape[0]
 
 
-def check_strength(strength: float) -> None:
-    if not 0.0 <= strength <= 1.0:
-        raise ValueError(f"drift_strength must be in [0, 1], got {strength}: 1 maps as fitted, 0 not at all")
-
-
-def blend(maps: DriftMaps, strength: float) -> DriftMaps:
-    """The maps moved towards the identity: x -> strength * map(x) + (1 - strength) * x, per map.
-
-    The maps are least-squares fits of the K/V, not of what the question reads from them; halfway maps gave a
-    lower continuation KL than whole ones on the tuning set (docs/quality.md, round 8)."""
-    check_strength(strength)
-    if strength == 1.0:
-        return maps
-    dim = maps.keys.shape[-1]
-    identity = torch.cat([torch.eye(dim), torch.zeros(1, dim)])  # [D + 1, D]: x -> x
-    return DriftMaps(strength * maps.keys + (1 - strength) * identity,
-                     strength * maps.values + (1 - strength) * identity, maps.prompts)
-
-
 def _slot(index: int, places: int) -> int:
     """Which of `places` maps serves the `index`-th reused chunk of a prompt (fitting and serving alike)."""
     return min(index, places - 1)
@@ -106,7 +87,7 @@ def place(adapter, cache, entry, start: int, maps: DriftMaps, index: int = 0) ->
     the prompt (layer 0's K/V do not depend on context: only moved). Done per chunk while the prompt is
     assembled, all mapped layers in one batched product over contiguous memory, written straight into the
     cache: gathering the reused positions from the assembled cache afterwards, layer by layer, cost 2.6 times
-    as much (docs/quality.md, round 5)."""
+    as much (research/notebook.md, round 5)."""
     keys, values = entry.keys, entry.values  # [L, H_kv, S, D]
     layers, heads, count, dim = keys.shape
     slot = _slot(index, maps.places)
@@ -125,19 +106,19 @@ def bare_layout(documents: list[str]) -> list[dict]:
     return [{"role": "user", "content": "\n\n".join(documents)}]
 
 
-def calibration_prompts(engine, texts: Sequence[str], count: int, per_prompt: int, seed: int = 0,
+def calibration_prompts(texts: Sequence[str], num_tokens: Callable[[str], int], room: int, count: int,
+                        per_prompt: int, seed: int = 0,
                         layout: Callable[[list[str]], str | list[dict]] = bare_layout) -> list:
-    """`count` prompts of `per_prompt` documents drawn at random from `texts` (ingested), in random order,
-    laid out by `layout`; fewer documents where a prompt would not fit the context window.
+    """`count` prompts of `per_prompt` documents drawn at random from `texts`, in random order, laid out by
+    `layout`; fewer documents where their `num_tokens` would not fit in `room` tokens.
 
     The layout is the application's prompt around the documents (its system text, its template): what comes
     before a document is what it drifts towards, so maps fitted in the layout they serve fit best."""
     rng, texts = random.Random(seed), list(texts)
-    room = engine.adapter.max_context - 64  # room for the layout's text around the documents
     prompts = []
     for _ in range(count):
         group = rng.sample(texts, min(per_prompt, len(texts)))
-        sizes = [len(engine.document(t).token_ids) + 2 for t in group]  # + the separator
+        sizes = [num_tokens(t) + 2 for t in group]  # + the separator
         while len(group) > 1 and sum(sizes) > room:
             group.pop()
             sizes.pop()
@@ -146,13 +127,12 @@ def calibration_prompts(engine, texts: Sequence[str], count: int, per_prompt: in
 
 
 @torch.inference_mode()
-def fit(engine, prompts: Sequence, places: int = 1) -> DriftMaps:
-    """Ridge-fit the maps on `prompts` (whose documents the engine has ingested): each prompt's stored
-    documents (stale) against the model's own forward over the whole prompt (true), keys unrotated; with
-    `places` > 1, one map per place (the i-th reused chunk of a prompt; the last map takes all after)."""
-    from .assembly import APPROX  # assembly imports this module to place the mapped chunks
-
-    adapter = engine.adapter
+def fit(adapter, samples: Sequence[tuple[torch.Tensor, Sequence]], places: int = 1,
+        progress: bool | None = None) -> DriftMaps:
+    """Ridge-fit the maps on `samples`: per prompt, its token ids [N] and its reused chunks (assembly.Chunk
+    with an entry: the stored, stale K/V), against the model's own forward over the whole prompt (true),
+    keys unrotated; with `places` > 1, one map per place (the i-th reused chunk of a prompt; the last map
+    takes all after)."""
     d = adapter.head_dim
     if places < 1:
         raise ValueError(f"places must be >= 1, got {places}")
@@ -160,12 +140,12 @@ def fit(engine, prompts: Sequence, places: int = 1) -> DriftMaps:
     xtx = torch.zeros(*shape, d + 1, d + 1, dtype=torch.float64)  # normal equations, K then V
     xty = torch.zeros(*shape, d + 1, d, dtype=torch.float64)
     used = 0
-    for prompt in tqdm(prompts, desc="fitting drift maps", unit="prompt", disable=None):
-        p = engine.plan(prompt, "naive")
-        reused = [c for c in p.chunks if c.source == APPROX]
-        if not reused or p.num_tokens > adapter.max_context:
+    quiet = not progress if progress is not None else None
+    bar = tqdm(samples, desc="fitting drift maps", unit="prompt", disable=quiet)
+    for token_ids, reused in bar:
+        if not reused:
             continue
-        true_keys, true_values = adapter.reference_kv(p.token_ids)  # [L, H_kv, N, D]
+        true_keys, true_values = adapter.reference_kv(token_ids)  # [L, H_kv, N, D]
         for i, c in enumerate(reused):
             count = len(c.token_ids)
             stale_keys = _unrotate(adapter, c.entry.keys.float(), *_frame(adapter, c.entry.start, count))

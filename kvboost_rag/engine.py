@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import threading
 import time
 import warnings
@@ -23,45 +24,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 from tqdm.auto import tqdm
 
-from . import drift, models
+from . import calibrate as calibration
+from . import drift, fidelity, models
 from . import keys as keyring
 from .adapter import ModelAdapter
 from .assembly import (
+    APPROX,
     COMPUTE,
     EXACT,
     Plan,
     TokenizedPrompt,
     assemble,
+    ingestion_context,
     plan,
-    segments_text,
-    tokenize_context,
     tokenize_prompt,
 )
-from .calibration import document_spans, retrieval_heads, template_suffix_tokens
 from .chunking import chunk_document
-from .config import EngineConfig, check_doc_context, check_for_model, check_strategy
-from .documents import Document, DocumentIndex
+from .config import EngineConfig, RepairConfig, check_doc_context, check_for_model
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
-from .repair.cacheblend import cacheblend_prefill
-from .repair.queryaware import check_config, move_last, queryaware_prefill, rank_documents, top_documents
-from .repair.selective import selective_positions
+from .repair import Request, get_strategy
 from .store import make_store
 from .store.base import KVEntry, KVStore
+from .store.documents import Document, DocumentIndex
+from .tokens import bos_ids, check_text, eos_ids, tokenizer_digest
 
 Messages = Sequence[dict]
-
-# doc_context "passage": what a document is encoded after, so that its KV looks like a later document's.
-# Written for kvboost-rag: neutral prose with no entity, number or name a question could ask about.
-CONTEXT_PASSAGE = ("The notes below were gathered from several sources and arranged for easy reading. Each part "
-                   "describes one subject on its own, in plain language, and the parts may be read in any order. "
-                   "Some details were checked against older records, while others come from people who knew the "
-                   "subject well. Where sources disagreed, the more recent account was kept. Small changes to "
-                   "spelling and wording were made so that the parts read alike.")
-
 
 @dataclass(frozen=True)
 class Prefill:
@@ -74,6 +64,12 @@ class Prefill:
     strategy: str
     started: float  # perf_counter at the call
     ttft_ms: float  # from the call to these logits, everything included
+    # The fidelity guard (fidelity.py): the risk the request may take (None: the cache is exact, nothing to
+    # guard; inf: "fast", measured but never acted on), the risk its first token took, and whether the prefill
+    # fell back to a full one because that first token could not be trusted.
+    target: float | None = None
+    risk: float = 0.0
+    fell_back: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -85,7 +81,8 @@ class Prefill:
 
     @property
     def exact_tokens(self) -> int:
-        return self.plan.count(EXACT)
+        """Reused tokens that were exact prefix hits (a hit the strategy computed again is not reused)."""
+        return min(self.plan.count(EXACT), self.reused_tokens)
 
 
 @dataclass(frozen=True)
@@ -102,6 +99,12 @@ class Generation:
     # prompt tokens computed through every layer in this request (cacheblend: tokens run per repaired
     # layer, averaged over those layers, since its set shrinks layer by layer)
     recomputed_tokens: int
+    # The fidelity guard (fidelity.py): the predicted chance that this answer differs from a full prefill's
+    # (0 when every token came from an exact cache), whether the prefill fell back to a full one, and from
+    # which generated token on the answer came from an exact cache (None: never).
+    fidelity_estimate: float = 0.0
+    fell_back: bool = False
+    exact_from: int | None = None
 
     @property
     def generated_tokens(self) -> int:
@@ -123,27 +126,35 @@ class KVBoost:
         self.adapter = ModelAdapter(loaded.model)
         check_for_model(config.repair, self.adapter.num_layers)
         self.model_id = loaded.model_id
-        self._bos_ids = _bos_ids(self.tokenizer)
+        self._bos_ids = bos_ids(self.tokenizer)
         self._special_ids = frozenset(i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special)
         self._doc_context = self._context_chunks(config.chunking.doc_context)
         self.fingerprint = keyring.model_fingerprint(
             model_id=loaded.model_id, weights_digest=loaded.weights_digest,
             config_digest=models.config_digest(loaded.model.config), dtype=models.dtype_name(self.adapter.dtype),
-            tokenizer_digest=_tokenizer_digest(self.tokenizer),
+            tokenizer_digest=tokenizer_digest(self.tokenizer),
             encoding={"chunking": dataclasses.asdict(config.chunking),
                       "context": [list(tokens) for tokens, _ in self._doc_context]})
         self.store = store if store is not None else make_store(config.store, self.fingerprint)
         disk_dir = config.store.disk_dir
         self.documents = DocumentIndex(Path(disk_dir) / f"documents-{self.fingerprint[:16]}.jsonl"
                                        if disk_dir else None, file_mode=config.store.file_mode)
-        self._eos_ids = _eos_ids(loaded.model, self.tokenizer)
+        self._eos_ids = eos_ids(loaded.model, self.tokenizer)
         self._context_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # see _context_kv
-        self._blended = None
         # One forward at a time: the model and the store's write-back are shared by all callers.
         self.lock = threading.RLock()
         # What the engine did, for callers and tests: documents computed or found stored, chunks written back.
         self.counters: collections.Counter[str] = collections.Counter()
         # Drift maps fitted on this corpus (fit_drift), read back from the disk tier's folder when saved there.
+        # The fidelity guard's predictor (see fidelity.py), fitted with the drift maps by `calibrate`.
+        self.fidelity_path = Path(disk_dir) / f"fidelity-{self.fingerprint[:16]}.safetensors" if disk_dir else None
+        self.predictor = None
+        if self.fidelity_path is not None and self.fidelity_path.exists():
+            self.predictor = fidelity.load(self.fidelity_path, self.fingerprint)
+            if self.predictor is None:
+                warnings.warn(f"ignoring fidelity calibration {self.fidelity_path}: not this model's, from an older "
+                              "kvboost-rag, or damaged; the next ingest fits it again", stacklevel=2)
+        self._warned_small = False
         self.drift_path = Path(disk_dir) / f"drift-{self.fingerprint[:16]}.safetensors" if disk_dir else None
         self.drift = None
         if self.drift_path is not None and self.drift_path.exists():
@@ -163,15 +174,46 @@ class KVBoost:
 
     # ---- ingestion -------------------------------------------------------------------------
 
-    def ingest(self, texts: Sequence[str], *, pin: bool = False, progress: bool | None = None) -> list[str]:
-        """Precompute and store the KV of each document; returns their ids. Idempotent."""
+    def ingest(self, texts: Sequence[str], *, pin: bool = False, progress: bool | None = None,
+               calibrate: bool | None = None) -> list[str]:
+        """Precompute and store the KV of each document; returns their ids. Idempotent.
+
+        With `calibrate` (None: EngineConfig.calibrate, True by default), once the engine knows enough documents,
+        and again whenever the corpus has doubled, the drift maps and the fidelity guard are fitted on it (see
+        calibrate.py)."""
+        calibrate = self.config.calibrate if calibrate is None else calibrate
         if isinstance(texts, str):
             raise TypeError("ingest takes a list of documents; wrap a single one: ingest([text])")
         ids = []
         bar = tqdm(texts, desc="ingest", unit="doc", disable=not progress if progress is not None else None)
         for i, text in enumerate(bar):
             ids.append(self._ingest_one(text, i, pin).doc_id)
+        if calibrate and calibration.due(self):
+            self.calibrate(progress=progress)
+        elif calibrate and self.predictor is None and not self._warned_small:
+            self._warned_small = True
+            warnings.warn(f"kvboost-rag: {len(self.documents)} documents are too few to calibrate on (it takes "
+                          f"{calibration.MIN_DOCUMENTS}); the fidelity guard uses the model's default curve until "
+                          "the corpus is large enough", stacklevel=2)
         return ids
+
+    def calibrate(self, texts: Sequence[str] | None = None, **options) -> fidelity.Predictor:
+        """Fit the drift maps and the fidelity guard on the corpus now (see calibrate.calibrate)."""
+        if texts is not None:
+            self.ingest(list(texts), progress=False, calibrate=False)
+        return calibration.calibrate(self, texts, **options)
+
+    def set_drift(self, maps: drift.DriftMaps) -> None:
+        """Use these drift maps from now on, and save them beside the disk tier."""
+        self.drift = maps
+        if self.drift_path is not None:
+            drift.save(maps, self.drift_path, self.fingerprint, mode=self.config.store.file_mode)
+
+    def set_predictor(self, predictor: fidelity.Predictor) -> None:
+        """Use this fidelity predictor from now on, and save it beside the disk tier."""
+        self.predictor = predictor
+        if self.fidelity_path is not None:
+            fidelity.save(predictor, self.fidelity_path, self.fingerprint, mode=self.config.store.file_mode)
 
     def document(self, text: str) -> Document:
         """The ingested form of a document's text (tokens and chunks), made if needed; not stored."""
@@ -254,22 +296,8 @@ class KVBoost:
 
     def _context_chunks(self, doc_context: str) -> list[tuple[tuple[int, ...], bool]]:
         """The chunks a document is encoded after at ingestion (see ChunkingConfig.doc_context)."""
-        if check_doc_context(doc_context) == "none":
-            return []
-        marker = "\x00kvboost-doc\x00"
-        try:
-            rendered = self.render([{"role": "user", "content": marker}])
-            opening = rendered[: rendered.index(marker)]
-        except ValueError:
-            opening = ""  # no chat template: nothing to encode after, or the passage alone (after BOS)
-        if doc_context == "template" and not opening:
-            return []
-        segments = [opening] if opening else []
-        if doc_context == "passage":
-            segments += [CONTEXT_PASSAGE, "\n\n"]  # each its own chunk, as a prompt's documents and separators
-        # Followed by a word, as a document follows them in a prompt (its text is stripped: no space first).
-        return tokenize_context(segments, "Document", self.tokenizer, self.config.chunking.max_chunk_tokens,
-                                self._bos_ids, self._special_ids)
+        return ingestion_context(check_doc_context(doc_context), self.render, self.tokenizer,
+                                 self.config.chunking.max_chunk_tokens, self._bos_ids, self._special_ids)
 
     def close(self) -> None:
         """Flush and release the store (the disk tier's index is written here), and write any document
@@ -303,136 +331,75 @@ class KVBoost:
                                self._bos_ids, self._special_ids)
 
     def plan(self, prompt: str | Messages, strategy: str) -> Plan:
-        check_strategy(strategy)
+        """Where each of the prompt's chunks comes from, by what `strategy` (a registered name) reuses."""
+        reuses = get_strategy(strategy)
         chunks = self.tokenize(self.render(prompt)).chunks
         if not chunks:
             raise ValueError("empty prompt: give some text to answer")
-        use_exact = strategy != "full"
-        use_approx = strategy in ("naive", "selective", "cacheblend")
-        return plan(chunks, self.fingerprint, self.store, use_exact, use_approx)
+        return plan(chunks, self.fingerprint, self.store, reuses.reuse_exact, reuses.reuse_content)
 
     @torch.inference_mode()
     def prefill(self, prompt: str | Messages, strategy: str = "cacheblend", *, max_new_tokens: int = 0,
-                write_back: bool = True, repair=None) -> Prefill:
+                write_back: bool = True, repair: RepairConfig | None = None) -> Prefill:
         """Assemble and prefill the prompt's cache with room for `max_new_tokens` more tokens."""
         started = time.perf_counter()
-        repair = check_for_model(repair or self.config.repair, self.adapter.num_layers)
+        settings = check_for_model(repair or self.config.repair, self.adapter.num_layers)
+        chosen = get_strategy(strategy)
         with self.lock:
-            # queryaware reuses what naive reuses (exact and content hits), then repairs its own way.
-            p = self.plan(prompt, "naive" if strategy == "queryaware" else strategy)
+            p = self.plan(prompt, strategy)
             n = p.num_tokens
             if n + max_new_tokens > self.adapter.max_context:
                 raise ValueError(f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's "
                                  f"context window ({self.adapter.max_context}); shorten the prompt or retrieve "
                                  "fewer documents")
-            # cacheblend repairs the mapped K/V; queryaware ranks over the stored ones (relevance_last maps its own).
-            cache = assemble(p, self.adapter, n + max_new_tokens,
-                             drift=self._drift_maps(repair) if strategy == "cacheblend" else None)
-            if strategy == "cacheblend":
-                blend = cacheblend_prefill(self.adapter, cache, p, repair)
-                hidden, recomputed = blend.hidden, blend.recomputed_tokens
-            elif strategy == "queryaware" and repair.qa_order == "relevance_last":
-                p, cache, hidden, recomputed = self._relevance_last(prompt, p, cache, repair, max_new_tokens)
-            elif strategy == "queryaware":
-                hidden, recomputed = self._queryaware_in_place(p, cache, repair)
-            else:
-                # selective: the heads of reused chunks too; full, prefix, naive: the tokens without stored KV
-                positions = (selective_positions(p, repair.boundary_tokens) if strategy == "selective"
-                             else p.computed_positions())
-                hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids[positions]), positions,
-                                                 cache, range(self.adapter.num_layers), n)[:, -1:]
-                recomputed = int(positions.numel())
-            logits = self.adapter.logits(hidden)[-1]
+            maps = self.drift if chosen.maps_drift and settings.drift else None
+            cache = assemble(p, self.adapter, n + max_new_tokens, drift=maps)
+            done = chosen.prefill(Request(self.adapter, p, cache, settings))
+            logits = self.adapter.logits(done.hidden)[-1]
+            guard = self._guard(settings, p) if chosen.guarded else None
+            fell_back = guard is not None and not guard.trusts(logits)
+            if fell_back:  # its first token cannot be trusted: a full prefill, as `full` computes it
+                cache, logits = self._exact_cache(p.token_ids, n + max_new_tokens)
             ttft_ms = (time.perf_counter() - started) * 1e3
-            if write_back and strategy != "full":
+            if write_back and (chosen.reuse_exact or chosen.reuse_content):
                 self._write_back(p, cache)
-        return Prefill(p, cache, logits, recomputed, strategy, started, ttft_ms)
+        risk = 0.0 if guard is None or fell_back else guard.risk
+        return Prefill(p, cache, logits, n if fell_back else done.recomputed_tokens, strategy, started, ttft_ms,
+                       None if guard is None else guard.target, risk, fell_back)
+
+    def _guard(self, settings: RepairConfig, p: Plan) -> fidelity.Guard | None:
+        """The fidelity guard of a request whose cache is not exact (content hits, or quantized KV); None when
+        it is (nothing reused, or exact hits kept at full precision)."""
+        approximate = p.count(APPROX) > 0 or (self.config.store.kv_bits < 16 and p.count(EXACT) > 0)
+        if not approximate:
+            return None
+        target = fidelity.target_of(settings.fidelity)
+        return fidelity.Guard(self.predictor or fidelity.DEFAULT_PREDICTOR, math.inf if target is None else target)
+
+    @torch.inference_mode()
+    def _exact_cache(self, token_ids: torch.Tensor, capacity: int) -> tuple[KVBuffers, torch.Tensor]:
+        """A full prefill of `token_ids` [N] into a new cache: (the cache, the next-token logits [V])."""
+        n = token_ids.shape[0]
+        with self.lock:
+            cache = self.adapter.new_buffers(capacity)
+            hidden = self.adapter.run_layers(self.adapter.embed(token_ids), torch.arange(n), cache,
+                                             range(self.adapter.num_layers), n)
+            return cache, self.adapter.logits(hidden[:, -1:])[-1]
 
     @torch.inference_mode()
     def reference_prefill(self, p: Plan, *, max_new_tokens: int = 0) -> Prefill:
-        """A full prefill of exactly `p`'s tokens, nothing reused: the truth to compare a strategy
-        with, including one that rewrote the prompt (queryaware's relevance_last)."""
+        """A full prefill of exactly `p`'s tokens, nothing reused: the truth to compare a strategy with."""
         started, n = time.perf_counter(), p.num_tokens
-        with self.lock:
-            cache = self.adapter.new_buffers(n + max_new_tokens)
-            positions = torch.arange(n)
-            hidden = self.adapter.run_layers(self.adapter.embed(p.token_ids), positions, cache,
-                                             range(self.adapter.num_layers), n)
-            logits = self.adapter.logits(hidden[:, -1:])[-1]
+        cache, logits = self._exact_cache(p.token_ids, n + max_new_tokens)
         return Prefill(p, cache, logits, n, "full", started, (time.perf_counter() - started) * 1e3)
-
-    def _retrieval_heads(self, repair):
-        """This engine's calibrated retrieval heads (see `calibration.retrieval_heads`)."""
-        return retrieval_heads(self, max_heads=repair.qa_heads, items=repair.qa_calib_items)
-
-    def _drift_maps(self, repair) -> drift.DriftMaps | None:
-        """The engine's fitted drift maps, at `repair.drift_strength`, when `repair.drift` asks for them; None
-        when off or never fitted."""
-        drift.check_strength(repair.drift_strength)
-        if not repair.drift or self.drift is None:
-            return None
-        if repair.drift_strength == 1.0:
-            return self.drift
-        held = self._blended  # (maps, strength, blended): one request's blend serves the next
-        if held is None or held[0] is not self.drift or held[1] != repair.drift_strength:
-            self._blended = held = (self.drift, repair.drift_strength, drift.blend(self.drift, repair.drift_strength))
-        return held[2]
 
     def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
                   seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None,
                   places: int = drift.PLACES) -> drift.DriftMaps:
-        """Fit drift maps on this corpus (see `drift.py`) and use them from now on: `prompts` prompts of
-        `per_prompt` documents drawn from `texts` (ingested first), or from every ingested document, each laid
-        out by `layout` (documents -> the application's prompt: its system text and template; the default is
-        the documents alone as one user message), with one map per place for a prompt's first `places`
-        documents (the last serving every later one). Costs about one full prefill per prompt; saved next to
-        the disk tier, where the next engine finds them."""
-        pool = list(texts) if texts is not None else self.documents.texts()
-        if texts is not None:
-            self.ingest(pool, progress=False)
-        if len(pool) < 2:
-            raise ValueError(f"fit_drift needs at least two ingested documents, got {len(pool)}: ingest the "
-                             "corpus first")
-        with self.lock:
-            maps = drift.fit(self, drift.calibration_prompts(self, pool, prompts, per_prompt, seed,
-                                                             layout or drift.bare_layout), places)
-            self.drift = maps
-            if self.drift_path is not None:
-                drift.save(maps, self.drift_path, self.fingerprint, mode=self.config.store.file_mode)
-        return maps
-
-    def _queryaware_in_place(self, p: Plan, cache: KVBuffers, repair) -> tuple[torch.Tensor, int]:
-        """queryaware with the documents where they are: (last hidden, tokens run through every layer)."""
-        hidden, positions = queryaware_prefill(self.adapter, cache, p, repair, self._retrieval_heads(repair),
-                                               template_suffix_tokens(self))
-        return hidden, int(positions.numel())
-
-    def _relevance_last(self, prompt: str | Messages, p: Plan, cache: KVBuffers, repair,
-                        max_new_tokens: int) -> tuple[Plan, KVBuffers, torch.Tensor, int]:
-        """queryaware with qa_order="relevance_last": rank the documents over the naive cache, move
-        the chosen ones after the others (a new prompt), then recompute them and the uncached tokens
-        through every layer, and repair the other documents as `cacheblend` does (`recompute_ratio`)."""
-        check_config(repair)
-        heads = list(self._retrieval_heads(repair).heads[:max(repair.qa_heads, 1)])
-        spans = document_spans(p)
-        segments = self.tokenize(self.render(prompt)).segments
-        if not spans or repair.qa_docs <= 0 or len(spans) != sum(isinstance(s, Document) for s in segments):
-            # Documents back to back (no text between them) share a span: keep the prompt's order.
-            return p, cache, *self._queryaware_in_place(p, cache, repair)
-        scores, _, _ = rank_documents(self.adapter, cache, p, spans, heads, template_suffix_tokens(self))
-        chosen = top_documents(scores, repair.qa_docs)
-        moved = plan(self.tokenize(segments_text(move_last(segments, chosen))).chunks, self.fingerprint, self.store,
-                     True, True)
-        if len(document_spans(moved)) != len(spans):
-            # A moved document no longer sits on its own token boundaries: keep the prompt's order.
-            return p, cache, *self._queryaware_in_place(p, cache, repair)
-        p = moved
-        cache = assemble(p, self.adapter, p.num_tokens + max_new_tokens, drift=self._drift_maps(repair))
-        k, spans = len(spans), document_spans(p)
-        # The chosen documents, now the last ones, run every layer; the others get CacheBlend's repair.
-        pinned = torch.cat([torch.arange(*spans[i]) for i in range(k - len(chosen), k)])
-        blend = cacheblend_prefill(self.adapter, cache, p, repair, pinned=pinned)
-        return p, cache, blend.hidden, blend.recomputed_tokens
+        """Fit drift maps alone on this corpus and use them from now on (see calibrate.fit_drift); `calibrate`,
+        which ingestion runs by itself, fits them with the fidelity guard."""
+        return calibration.fit_drift(self, texts, prompts=prompts, per_prompt=per_prompt, seed=seed, layout=layout,
+                                     places=places)
 
     def _write_back(self, p: Plan, cache: KVBuffers) -> None:
         """Store the chunks this request computed with exact context under their prefix keys."""
@@ -469,15 +436,28 @@ class KVBoost:
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (),
                seed: int | None = None, repair=None, write_back: bool = True) -> Iterator[StreamPiece]:
         """Prefill with `strategy`, then decode; yields text as it comes, the figures on the last piece."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop, seed)
-        pre = self.prefill(prompt, strategy, max_new_tokens=max_new_tokens, repair=repair, write_back=write_back)
-        return self.stream_from(pre, params)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop, seed)  # checked at the call
+        get_strategy(strategy)
+        return self._prefill_then_decode(prompt, strategy, params, repair, write_back)
+
+    def _prefill_then_decode(self, prompt, strategy, params, repair, write_back) -> Iterator[StreamPiece]:
+        # A generator: the prefill runs at the first next(), so that a caller stepping the stream on a worker
+        # thread (serving.astream_pieces) runs it there too, not on its event loop.
+        yield from self.stream_from(self.prefill(prompt, strategy, max_new_tokens=params.max_new_tokens,
+                                                 repair=repair, write_back=write_back), params)
 
     def stream_from(self, pre: Prefill, params: SamplingParams) -> Iterator[StreamPiece]:
         """Decode from a prefilled cache (made with room for params.max_new_tokens)."""
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         text = TextStream(self.tokenizer, params.stop)
-        logits, position, finish = pre.logits, pre.prompt_tokens, "length"
+        logits, position, finish, cache = pre.logits, pre.prompt_tokens, "length", pre.cache
+        # The guard goes on where the prefill's left it: every token from the reused cache adds its risk, and
+        # before one would pass the target the answer moves to an exact cache (one full prefill) for good.
+        guard = None
+        if pre.target is not None and not pre.fell_back:
+            guard = fidelity.Guard(self.predictor or fidelity.DEFAULT_PREDICTOR, pre.target)
+            guard.survive = 1.0 - pre.risk
+        exact_from, risk = (0 if pre.fell_back else None), pre.risk
         # The lock is taken per step, never across a yield: async callers resume us from other threads.
         for step in range(params.max_new_tokens):
             token = choose_token(logits, params, generator)
@@ -492,14 +472,19 @@ class KVBoost:
                 break
             yield StreamPiece(delta, token)
             if step + 1 < params.max_new_tokens:
-                logits = self.decode_step(pre.cache, token, position)
+                logits = self.decode_step(cache, token, position)
                 position += 1
+                if guard is not None and not guard.trusts(logits):
+                    so_far = torch.cat([pre.plan.token_ids, torch.tensor(text.token_ids)])
+                    cache, logits = self._exact_cache(so_far, pre.cache.capacity)
+                    guard, exact_from, risk = None, step + 1, guard.risk
         tail = text.flush()
         result = Generation(
             text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=pre.strategy,
             ttft_ms=pre.ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,
             prompt_tokens=pre.prompt_tokens, reused_tokens=pre.reused_tokens, exact_tokens=pre.exact_tokens,
-            recomputed_tokens=pre.recomputed_tokens)
+            recomputed_tokens=pre.recomputed_tokens, fidelity_estimate=risk if guard is None else guard.risk,
+            fell_back=pre.fell_back, exact_from=exact_from)
         yield StreamPiece(tail, None, result)
 
     def generate(self, prompt: str | Messages, **kwargs) -> Generation:
@@ -508,45 +493,3 @@ class KVBoost:
             if piece.result is not None:
                 return piece.result
         raise AssertionError("stream ended without a result")
-
-
-
-def _tokenizer_digest(tokenizer) -> str:
-    """A hash of everything that decides token ids: the whole tokenizer (vocabulary, merges, normalizer,
-    pre-tokenizer, added tokens) where it can be serialized, else its vocabulary and added tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        described = backend.to_str()
-    else:
-        described = repr((sorted(tokenizer.get_vocab().items()), sorted(tokenizer.added_tokens_decoder)))
-    return xxhash.xxh3_128_hexdigest(f"{type(tokenizer).__name__}:{described}".encode())
-
-
-def check_text(text: object, what: str) -> str:
-    """`text` when it is a str a tokenizer can take; else a ValueError that says what to pass instead."""
-    if isinstance(text, (bytes, bytearray)):
-        raise ValueError(f"{what} is bytes, not text: decode it first, e.g. data.decode('utf-8')")
-    if not isinstance(text, str):
-        raise ValueError(f"{what} is {type(text).__name__}, not text: pass a str (a document's or prompt's text)")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not "
-                         "valid Unicode: repair the text, e.g. text.encode('utf-8', 'replace').decode()") from None
-    return text
-
-
-def _bos_ids(tokenizer) -> tuple[int, ...]:
-    """Special tokens the tokenizer puts before any text (Llama's <s>); none for SmolLM2 or Qwen."""
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    special = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return tuple(special[: len(special) - len(plain)]) if special[-len(plain):] == plain else ()
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return ids

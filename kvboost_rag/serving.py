@@ -1,5 +1,6 @@
 """Serving one engine to many callers: one engine per (model, dtype, doc_context) in the process, and stepping
-an engine stream from asyncio. Framework-neutral; both integrations (LangChain, LlamaIndex) use it.
+an engine stream from asyncio. Framework-neutral; both integrations (LangChain, LlamaIndex) and the HTTP server
+use it (what the LLM classes share beyond that is in `llm.py`).
 
 Several LLM objects (one per chain, per temperature, per framework...) must not load the model, nor
 keep separate KV stores, more than once: `shared_engine` hands every caller the same `KVBoost`.
@@ -14,7 +15,6 @@ the step it is in finishes.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import uuid
 import weakref
@@ -22,52 +22,14 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .config import ChunkingConfig, EngineConfig, RepairConfig, check_doc_context, check_for_model
+from .config import ChunkingConfig, EngineConfig, check_doc_context
 from .engine import KVBoost, StreamPiece
-from .generation import SamplingParams
 from .models import BUNDLED_NAME, DTYPES
-
-# The repair knobs both LLM classes take as fields and as per-call arguments (RepairConfig field names).
-REPAIR_FIELDS = ("recompute_ratio", "taper", "recency", "boundary_tokens", "check_layer", "qa_order", "drift",
-                 "drift_strength")
 
 _ENGINES: dict[tuple[str, str, str], KVBoost] = {}
 _LOCK = threading.Lock()
 _WORKERS: weakref.WeakKeyDictionary[KVBoost, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 _DONE = object()
-
-
-def check_repair_knobs(values: dict) -> dict:
-    """The knobs given a value (not None), each checked against RepairConfig's ranges: a ValueError naming
-    the knob, its value and its range comes before any model is loaded."""
-    given = {name: value for name, value in values.items() if value is not None}
-    if given:
-        dataclasses.replace(RepairConfig(), **given)
-    return given
-
-
-def check_sampling(call: dict) -> dict:
-    """`call` (`KVBoost.stream` keyword arguments) with its sampling values checked as SamplingParams checks
-    them, before any model is loaded, and its stop strings as a tuple (a bare string is refused, not split)."""
-    params = SamplingParams(**{f.name: call[f.name] for f in dataclasses.fields(SamplingParams) if f.name in call})
-    return {**call, "stop": params.stop} if "stop" in call else call
-
-
-def check_llm_fields(llm) -> None:
-    """An LLM class's own sampling and repair fields (ChatKVBoost, KVBoostLLM: the same names) checked as a
-    call would check them, so a bad setting fails when the object is made, not at its first call."""
-    check_sampling({"max_new_tokens": llm.max_tokens, "temperature": llm.temperature, "top_p": llm.top_p,
-                    "top_k": llm.top_k, "stop": llm.stop, "seed": llm.seed})
-    check_repair_knobs({name: getattr(llm, name) for name in REPAIR_FIELDS})
-
-
-def repair_overrides(engine: KVBoost, values: dict) -> RepairConfig | None:
-    """The engine's repair config with the knobs given a value (not None) replaced, checked against the
-    engine's model too (check_layer below its layers); None when none is given."""
-    given = check_repair_knobs(values)
-    if not given:
-        return None
-    return check_for_model(dataclasses.replace(engine.config.repair, **given), engine.adapter.num_layers)
 
 
 def model_key(model: str | None) -> str:
@@ -97,15 +59,6 @@ def shared_engine(model: str | None = None, dtype: str = "float32", doc_context:
             engine = KVBoost.from_pretrained(model, config=config)
             _ENGINES[key] = engine
         return engine
-
-
-def check_engine_doc_context(engine: KVBoost, doc_context: str | None) -> None:
-    """A ValueError when an LLM class is given both an engine and a doc_context the engine does not use:
-    documents are encoded once, by the engine, so the field cannot change how."""
-    if doc_context is not None and doc_context != engine.config.chunking.doc_context:
-        raise ValueError(f"doc_context {doc_context!r} differs from the given engine's "
-                         f"{engine.config.chunking.doc_context!r}; leave doc_context unset (None) to use the "
-                         f"engine's, or build the engine with ChunkingConfig(doc_context={doc_context!r})")
 
 
 def _worker(engine: KVBoost) -> ThreadPoolExecutor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -9,6 +11,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from kvboost_rag import EngineConfig, KVBoost
 from kvboost_rag.bench.data import BenchItem
 from kvboost_rag.bench.run import render_prompt
+from kvboost_rag.config import RepairConfig
 from kvboost_rag.models import LoadedModel, convert_bundled, load
 
 
@@ -27,13 +30,24 @@ def tiny_model(seed: int = 0, vocab_size: int = 49152, **overrides) -> LlamaForC
     return LlamaForCausalLM(config).eval()
 
 
+# The methods as they are: no calibration at ingestion, no fidelity guard (a random model is unsure of every
+# token, so the guard would serve full prefills). The guard's and calibration's tests pass their own configs.
+BARE = EngineConfig(calibrate=False, repair=RepairConfig(fidelity="fast"))
+
+
 @pytest.fixture
 def make_tiny_engine(bundled_tokenizer):
     """A factory: fresh engines on a tiny random Llama with the real tokenizer (own store each)."""
 
-    def make(config: EngineConfig | None = None, seed: int = 0, store=None, **overrides) -> KVBoost:
+    def make(config: EngineConfig | None = None, seed: int = 0, store=None, guarded: bool = False,
+             **overrides) -> KVBoost:
+        """`guarded`: keep the config's calibration and fidelity guard; else the engine runs bare (see BARE)."""
         loaded = LoadedModel(tiny_model(seed, **overrides), bundled_tokenizer, "tiny-random-llama", f"seed{seed}")
-        return KVBoost(loaded, config or EngineConfig(), store=store)
+        config = config or EngineConfig()
+        if not guarded:
+            config = dataclasses.replace(config, calibrate=False,
+                                         repair=dataclasses.replace(config.repair, fidelity="fast"))
+        return KVBoost(loaded, config, store=store)
 
     return make
 
@@ -45,8 +59,9 @@ def real_loaded():
 
 @pytest.fixture
 def real_engine(real_loaded):
-    """The bundled SmolLM2-135M-Instruct in fp32, with a fresh store."""
-    return KVBoost(real_loaded, EngineConfig())
+    """The bundled SmolLM2-135M-Instruct in fp32, with a fresh store, running the methods bare: no
+    calibration at ingestion, no fidelity guard (their own tests build engines with them)."""
+    return KVBoost(real_loaded, BARE)
 
 
 DOCS = [

@@ -14,25 +14,25 @@ COLUMNS = [  # (key, header, format)
     ("recompute_fraction", "recompute", "{:.3f}"),
     ("reuse_fraction", "reuse", "{:.3f}"),
     ("prompt_tokens", "prompt tok", "{:.0f}"),
+    ("total_ms", "total ms", "{:.0f}"),
+    ("fidelity_estimate", "P(differs)", "{:.3f}"),
+    ("fell_back", "fell back", "{:.2f}"),
+    ("switched", "switched", "{:.2f}"),
 ]
 
 
 def table(report: dict) -> str:
     """A Markdown table, one row per strategy."""
     rows = report["strategies"]
-    reordered = any(row.get("reordered") for row in rows.values())
-    columns = COLUMNS + ([("reference_accuracy", "ref accuracy", "{:.3f}")] if reordered else [])
+    columns = COLUMNS
     head = ["strategy"] + [h for _, h, _ in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, row in rows.items():
-        mark = " *" if row.get("reordered") else ""
-        cells = [label + mark] + ["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in columns]
+        cells = [label] + ["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in columns]
         lines.append("| " + " | ".join(cells) + " |")
     title = (f"{report['model']}, {report['dtype']}, kv_bits={report['kv_bits']}, {report['items']} items, "
              f"median TTFT and speedup, mean quality; {report['seconds']} s")
-    note = ("\n\n* answers a reordered prompt: agreement, KL and ref accuracy are those of a full prefill of that "
-            "prompt, speedup is against full of the original" if reordered else "")
-    return title + "\n\n" + "\n".join(lines) + note
+    return title + "\n\n" + "\n".join(lines)
 
 
 def family(label: str) -> str:

@@ -4,17 +4,13 @@ Per item, strategies run interleaved (their order rotated from item to item), af
 each is compared with `full` on the same tokens:
 
 - ttft_ms: call to first-token logits; speedup: full's TTFT / this TTFT, median over items.
-- accuracy: an expected answer appears in the output (case-insensitive), where answers exist;
-  reference_accuracy: the same for the strategy's reference (full, or a full prefill of its rewritten prompt).
+- accuracy: an expected answer appears in the output (case-insensitive), where answers exist.
 - agreement: the first `agree_tokens` generated tokens equal full's.
 - first_token_kl / continuation_kl: KL(full || strategy) at the first token, and averaged over
   full's greedy output fed to both (teacher forcing): how far the cache is from the truth.
-- reordered: the strategy answered a rewritten prompt (queryaware's relevance_last). Its agreement
-  and KLs are then against a full prefill of that same rewritten prompt (untimed), not of the
-  original; its accuracy is the same test as everyone's.
 - recompute_fraction / reuse_fraction: prompt tokens computed through every layer / reused.
 
-A strategy spec is a name with optional repair overrides: "cacheblend:recompute_ratio=0.3,select=random".
+A strategy spec is a name with optional repair overrides: "cacheblend:recompute_ratio=0.3,taper=1".
 """
 
 from __future__ import annotations
@@ -27,9 +23,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..config import STRATEGIES, RepairConfig
-from ..engine import KVBoost
+from ..config import RepairConfig
+from ..engine import Generation, KVBoost
 from ..generation import SamplingParams
+from ..prompts import rag_messages
+from ..repair import names as strategy_names
 from .data import BenchItem
 
 FULL = "full"
@@ -49,6 +47,11 @@ def _setting(current, value: str, label: str):
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"{value!r} in {label!r} is not a boolean; use true or false")
         return value.lower() in ("true", "1")
+    if isinstance(current, str):  # a name, or a number where the setting takes either (fidelity)
+        try:
+            return float(value)
+        except ValueError:
+            return value
     return type(current)(value)
 
 
@@ -58,8 +61,8 @@ def parse_strategies(text: str, base: RepairConfig) -> list[StrategySpec]:
     fields = {f.name: f.type for f in dataclasses.fields(RepairConfig)}
     for label in names:
         name, _, overrides = label.partition(":")
-        if name not in STRATEGIES:
-            raise ValueError(f"unknown strategy {name!r} in --strategies; use {', '.join(STRATEGIES)}")
+        if name not in strategy_names():
+            raise ValueError(f"unknown strategy {name!r} in --strategies; use {', '.join(strategy_names())}")
         repair = base
         for pair in filter(None, overrides.split("+") if "+" in overrides else [overrides]):
             key, _, value = pair.partition("=")
@@ -74,9 +77,7 @@ def parse_strategies(text: str, base: RepairConfig) -> list[StrategySpec]:
 
 def render_prompt(item: BenchItem) -> list[dict]:
     """The model's chat template: the system text, then the documents in order, then the question."""
-    user = "\n\n".join(item.documents) + f"\n\nQuestion: {item.question}"
-    messages = [{"role": "system", "content": item.system}] if item.system else []
-    return messages + [{"role": "user", "content": user}]
+    return rag_messages(item.documents, item.question, item.system)
 
 
 def kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -94,8 +95,7 @@ class Sample:
     recomputed_tokens: int
     reused_tokens: int
     distributions: torch.Tensor  # [T, V] logits: first token, then after each of the reference's tokens
-    # For a rewritten prompt: a full prefill of it, the reference for agreement and KL (else `full`).
-    reference: Sample | None = None
+    result: Generation | None = None
     metrics: dict = field(default_factory=dict)
 
 
@@ -118,19 +118,12 @@ def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_ne
                              repair=spec.repair)
         result = list(engine.stream_from(pre, params))[-1].result
         samples[spec.label] = Sample(pre.ttft_ms, result.text, result.token_ids, pre.prompt_tokens,
-                                     pre.recomputed_tokens, pre.reused_tokens, pre.logits[None])
+                                     pre.recomputed_tokens, pre.reused_tokens, pre.logits[None], result)
         prefills[spec.label] = pre
-    # Quality: every strategy's cache scored on its reference's greedy continuation (teacher forcing).
+    # Quality: every strategy's cache scored on full's greedy continuation (teacher forcing).
     for label, sample in samples.items():
-        pre, reference = prefills[label], samples[FULL]
-        if not torch.equal(pre.plan.token_ids, prefills[FULL].plan.token_ids):  # a rewritten prompt
-            truth = engine.reference_prefill(pre.plan, max_new_tokens=max_new_tokens)
-            result = list(engine.stream_from(truth, params))[-1].result
-            reference = Sample(truth.ttft_ms, result.text, result.token_ids, truth.prompt_tokens,
-                               truth.recomputed_tokens, truth.reused_tokens,
-                               continued_logits(engine, truth, truth.logits[None], result.token_ids))
-            sample.reference = reference
-        sample.distributions = continued_logits(engine, pre, sample.distributions, reference.token_ids)
+        sample.distributions = continued_logits(engine, prefills[label], sample.distributions,
+                                                samples[FULL].token_ids)
     return samples
 
 
@@ -141,23 +134,27 @@ def correct(text: str, answers: tuple[str, ...]) -> float:
 
 def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> None:
     for sample in samples.values():
-        full = sample.reference or samples[FULL]
+        full = samples[FULL]
         n = min(len(sample.distributions), len(full.distributions))
         per_token = kl(full.distributions[:n], sample.distributions[:n])
         sample.metrics = {
             "ttft_ms": sample.ttft_ms,
             "speedup": full.ttft_ms / sample.ttft_ms,
+            "total_ms": sample.result.total_ms,
+            # the fidelity guard: predicted chance the answer differs from full's, a full prefill instead, an
+            # exact cache for the tokens after some point
+            "fidelity_estimate": sample.result.fidelity_estimate,
+            "fell_back": float(sample.result.fell_back),
+            "switched": float(sample.result.exact_from is not None and not sample.result.fell_back),
             "agreement": float(sample.token_ids[:agree_tokens] == full.token_ids[:agree_tokens]),
             "first_token_kl": float(per_token[0]),
             "continuation_kl": float(per_token.mean()),
             "recompute_fraction": sample.recomputed_tokens / sample.prompt_tokens,
             "reuse_fraction": sample.reused_tokens / sample.prompt_tokens,
             "prompt_tokens": sample.prompt_tokens,
-            "reordered": float(sample.reference is not None),
         }
         if item.answers:
             sample.metrics["accuracy"] = correct(sample.text, item.answers)
-            sample.metrics["reference_accuracy"] = correct(full.text, item.answers)
 
 
 def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, dict]:
@@ -167,9 +164,10 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
         entry = {
             "ttft_ms": statistics.median(r["ttft_ms"] for r in rows),
             "speedup": statistics.median(r["speedup"] for r in rows),
+            "total_ms": statistics.median(r["total_ms"] for r in rows),
         }
         for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "recompute_fraction",
-                    "reuse_fraction", "prompt_tokens", "reordered", "reference_accuracy"):
+                    "reuse_fraction", "prompt_tokens", "fidelity_estimate", "fell_back", "switched"):
             values = [r[key] for r in rows if key in r]
             entry[key] = statistics.fmean(values) if values else None
         summary[label] = entry

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import ask, bench, bench_store, ingest, store
+from . import ask, bench, bench_store, ingest, serve, store
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvboost-rag", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (ingest, ask, bench, bench_store, store):
+    for module in (ingest, ask, bench, bench_store, store, serve):
         module.add_parser(sub)
     return parser
 

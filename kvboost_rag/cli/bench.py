@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", type=Path, required=True, help="JSONL: {id, system?, documents, question, answers?}")
     p.add_argument("--strategies", default="full,prefix,naive,selective,cacheblend",
                    help="comma list; a strategy may carry repair overrides joined by '+', "
-                        "e.g. 'cacheblend:recompute_ratio=0.3+select=random'")
+                        "e.g. 'cacheblend:recompute_ratio=0.3+taper=1'")
     p.add_argument("--limit", type=count(1), default=None, help="N items (after --skip)")
     p.add_argument("--skip", type=count(0), default=0, help="skip the first N items (a tuning slice, say)")
     # 32: the bundled model often restates the question before the answer; 16 cuts answers off.

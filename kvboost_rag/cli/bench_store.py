@@ -9,7 +9,8 @@ from pathlib import Path
 from .. import models
 from ..bench.data import load_items
 from ..bench.storage import run_storage_bench, table
-from ..config import KV_BITS, STRATEGIES
+from ..config import KV_BITS
+from ..repair import names
 from .common import add_engine_options, count, engine_config, sampling_params
 
 
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", type=Path, required=True, help="bench JSONL; its documents are the corpus")
     p.add_argument("--limit", type=count(1), default=None, help="first N items")
     p.add_argument("--bits", type=bits_list, default=list(KV_BITS), help="comma list of kv_bits to measure")
-    p.add_argument("--strategy", default="naive", choices=STRATEGIES,
+    p.add_argument("--strategy", default="naive", choices=names(),
                    help="strategy whose answers are compared across stores")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--json", type=Path, default=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,9 +12,6 @@ from ..config import (
     DOC_CONTEXTS,
     DTYPE_NAMES,
     KV_BITS,
-    QA_ORDERS,
-    SELECTS,
-    STRATEGIES,
     ChunkingConfig,
     ConfigError,
     EngineConfig,
@@ -21,9 +19,10 @@ from ..config import (
     StoreConfig,
 )
 from ..generation import SamplingParams
+from ..repair import get_strategy, names
 
 # The flag each config field is set by, where it is not "--" + the field's name with dashes.
-_FLAGS = {"memory_budget_bytes": "--memory-budget", "disk_dir": "--store", "drift": "--no-drift"}
+_FLAGS = {"memory_budget_bytes": "--memory-budget", "disk_dir": "--store"}
 
 
 def flag(field: str) -> str:
@@ -56,7 +55,9 @@ def count(minimum: int):
     return parse
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
+def add_engine_options(parser: argparse.ArgumentParser, *, repair: bool = True) -> None:
+    """The model, dtype, store and encoding options; with `repair`, also one flag per RepairConfig field
+    (a command that answers no prompt, such as ingest, leaves them out)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="local HF folder or hub id (default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
@@ -67,40 +68,50 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--doc-context", default=ChunkingConfig.doc_context, choices=DOC_CONTEXTS,
                    help="what documents are encoded after at ingestion: nothing, the chat template's opening, "
                         "or that and a neutral passage (as a later document of a prompt)")
+    if repair:
+        add_repair_options(parser)
+
+
+def add_repair_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per RepairConfig field, with the field's own default and help text."""
     r = parser.add_argument_group("repair")
-    r.add_argument("--boundary-tokens", type=int, default=RepairConfig.boundary_tokens, help="selective: k")
-    r.add_argument("--recompute-ratio", type=float, default=RepairConfig.recompute_ratio,
-                   help="cacheblend: fraction of reused tokens recomputed per layer, averaged (1.0 = full prefill)")
-    r.add_argument("--taper", type=float, default=RepairConfig.taper,
-                   help="cacheblend: first repaired layer's set over the last's (1.0 = one set, original CacheBlend)")
-    r.add_argument("--recency", type=float, default=RepairConfig.recency,
-                   help="cacheblend: exponent of the position weight on deviation (0 = none)")
-    r.add_argument("--check-layer", type=int, default=RepairConfig.check_layer, help="cacheblend: check layer")
-    r.add_argument("--select", default=RepairConfig.select, choices=SELECTS,
-                   help="cacheblend: rank reused tokens by KV deviation, or pick at random (the control)")
-    r.add_argument("--no-drift", dest="drift", action="store_false",
-                   help="cacheblend: serve the reused documents' K/V as stored, without the model's drift maps")
-    r.add_argument("--drift-strength", type=float, default=RepairConfig.drift_strength,
-                   help="cacheblend: how far the drift maps move the reused K/V (0 = as stored, 1 = as fitted)")
-    r.add_argument("--qa-order", default=RepairConfig.qa_order, choices=QA_ORDERS,
-                   help="queryaware: keep the documents in place, or move the ones the question needs last "
-                        "(a rewritten prompt)")
+    for f in dataclasses.fields(RepairConfig):
+        if f.type in (bool, "bool"):  # --drift / --no-drift
+            r.add_argument(flag(f.name), default=f.default, action=argparse.BooleanOptionalAction,
+                           help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str, "str | float": level_or_number}.get(f.type, f.type)
+            r.add_argument(flag(f.name), type=kind, default=f.default, help=f.metadata["help"])
+
+
+def level_or_number(text: str) -> str | float:
+    """A named level as it is, anything else as a number (RepairConfig checks both)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def add_strategy_option(parser: argparse.ArgumentParser, default: str = "cacheblend") -> None:
-    parser.add_argument("--strategy", default=default, choices=STRATEGIES)
+    parser.add_argument("--strategy", default=default, choices=names(),
+                        help="; ".join(f"{name}: {get_strategy(name).summary}" for name in names()))
+
+
+def repair_config(args: argparse.Namespace) -> RepairConfig:
+    """RepairConfig from the flags add_repair_options made (defaults where a command has none)."""
+    with flags_named():
+        return RepairConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RepairConfig)
+                               if hasattr(args, f.name)})
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine options as a config; a value out of range is refused naming its flag."""
+    repair = repair_config(args)
     with flags_named():
         return EngineConfig(
             dtype=args.dtype,
             chunking=ChunkingConfig(max_chunk_tokens=args.max_chunk_tokens, doc_context=args.doc_context),
-            repair=RepairConfig(boundary_tokens=args.boundary_tokens, recompute_ratio=args.recompute_ratio,
-                                taper=args.taper, recency=args.recency, check_layer=args.check_layer,
-                                select=args.select, qa_order=args.qa_order, drift=args.drift,
-                                drift_strength=args.drift_strength),
+            repair=repair,
             store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
         )
 

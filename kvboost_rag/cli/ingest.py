@@ -20,20 +20,41 @@ def add_parser(sub) -> None:
     p.add_argument("--drift-places", type=count(1), default=PLACES, metavar="N",
                    help="drift maps for each of a prompt's first N documents (the last serves every later "
                         "one); about the number of documents your retriever returns")
-    add_engine_options(p)
+    p.add_argument("--ray-workers", type=count(0), default=0, metavar="N",
+                   help="compute the KV on N Ray actors writing to --store (needs the ray extra: "
+                        "pip install 'kvboost-rag[ray]'), then check it here; 0 = in this process")
+    add_engine_options(p, repair=False)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     if args.fit_drift and not args.store:
         raise ValueError("--fit-drift needs --store: the maps are saved next to the stored documents")
+    if args.ray_workers and not args.store:
+        raise ValueError("--ray-workers needs --store: the workers' KV is shared with this process through it")
     config = engine_config(args)  # checked before the documents are read or the model is loaded
     docs = read_documents(args.paths)
+    if args.ray_workers:
+        _ingest_with_ray(args, config, [text for _, text in docs])
     engine = make_engine(args, config)
     try:
         return _run(args, engine, docs)
     finally:
         engine.close()
+
+
+def _ingest_with_ray(args, config, texts) -> None:
+    from ..distributed import ingest_with_ray
+
+    started = time.perf_counter()
+    try:
+        ids = ingest_with_ray(texts, model=args.model, config=config, workers=args.ray_workers, progress=True)
+    except ImportError as e:
+        if e.name != "ray":
+            raise
+        raise ValueError(f"--ray-workers: {e}") from None
+    print(f"ray: documents {len(ids)} ingested on {args.ray_workers} workers in "
+          f"{time.perf_counter() - started:.1f}s; now checked here (and calibrated when due):")
 
 
 def _run(args, engine, docs) -> int:

@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from kvboost_rag.store.disk import BadEntryFile, read_header
+from kvboost_rag.store.entries import BadEntryFile, read_header
 from kvboost_rag.store.folder import file_kind, prune_dir, verify_dir
 
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}

@@ -30,8 +30,7 @@ from ..adapter import ModelAdapter
 from ..assembly import APPROX, COMPUTE, Plan
 from ..config import RepairConfig
 from ..kvcache import KVBuffers
-
-SELECT_MODES = ("deviation", "random")
+from .protocol import Prefilled, Request, Strategy, register
 
 
 @dataclass(frozen=True)
@@ -54,22 +53,11 @@ def kv_deviation(fresh: tuple[torch.Tensor, torch.Tensor], cached: tuple[torch.T
     return dk + dv
 
 
-def check_select(mode: str) -> str:
-    if mode not in SELECT_MODES:
-        raise ValueError(f"unknown select mode {mode!r}; use one of {', '.join(SELECT_MODES)}")
-    return mode
-
-
-def choose(deviation: torch.Tensor, candidates: torch.Tensor, count: int, mode: str, seed: int) -> torch.Tensor:
-    """Indices (into `deviation`) of `count` of the candidate indices, by the given rule."""
-    check_select(mode)
+def top_deviations(deviation: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` candidate indices (into `deviation`) that deviate most."""
     if count <= 0 or candidates.numel() == 0:
         return candidates[:0]
-    count = min(count, candidates.numel())
-    if mode == "deviation":
-        return candidates[torch.topk(deviation[candidates], count).indices]
-    gen = torch.Generator().manual_seed(seed)  # "random": the control
-    return candidates[torch.randperm(candidates.numel(), generator=gen)[:count]]
+    return candidates[torch.topk(deviation[candidates], min(count, candidates.numel())).indices]
 
 
 def layer_fractions(average: float, taper: float, layers: int) -> list[float]:
@@ -95,19 +83,14 @@ def layer_fractions(average: float, taper: float, layers: int) -> list[float]:
     return [min(1.0, high * d) for d in decay]
 
 
-def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig,
-                       pinned: torch.Tensor | None = None) -> BlendResult:
+def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, config: RepairConfig) -> BlendResult:
     """Prefill with progressive CacheBlend repair, writing the repaired K/V into `cache`.
 
-    `pinned` [P]: reused positions to recompute through every layer like uncached ones (the documents
-    a query-aware pass chose), outside the `recompute_ratio` budget. Deviation is measured from the K/V as
-    assembled (mapped by drift.py's maps when the engine has them), which the unrepaired tokens keep."""
-    check_select(config.select)  # before any work, even when no layer ends up choosing
+    Deviation is measured from the K/V as assembled (mapped by drift.py's maps when the engine has them),
+    which the unrepaired tokens keep."""
     n, num_layers = plan.num_tokens, adapter.num_layers
-    always = plan.computed_positions()  # run every layer, with the pinned tokens
-    if pinned is not None:
-        always = torch.unique(torch.cat([always, pinned.long()]))
-    if config.recompute_ratio <= 0:  # nothing reused is repaired: naive reuse (plus the pinned tokens)
+    always = plan.computed_positions()  # uncached: run every layer
+    if config.recompute_ratio <= 0:  # nothing reused is repaired: naive reuse
         hidden = adapter.run_layers(adapter.embed(plan.token_ids[always]), always, cache, range(num_layers), n)
         return BlendResult(hidden[:, -1:], [always])
     reused = plan.positions(APPROX)
@@ -144,14 +127,14 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
             is_reused = torch.isin(here, always, invert=True)
             count, available = math.ceil(fractions[layer - check] * num_reused), int(is_reused.sum())
             if multiple > 0 and count < available:
-                # The set (uncached and pinned included, the head left out) to the nearest multiple; a layer
+                # The set (uncached included, the head left out) to the nearest multiple; a layer
                 # that keeps every token stays whole, so recompute_ratio=1 is still a full prefill.
                 fixed = rows.numel() - available - int(torch.isin(here, head).sum())
                 total = max(round((fixed + count) / multiple), 1) * multiple
                 count = max(total - fixed, 0)
             keep = torch.arange(rows.numel())
             if count < available:
-                picked = choose(score, torch.nonzero(is_reused).flatten(), count, config.select, config.seed + layer)
+                picked = top_deviations(score, torch.nonzero(is_reused).flatten(), count)
                 keep = torch.sort(torch.cat([torch.nonzero(~is_reused).flatten(), picked])).values
         cache.keys[layer].index_copy_(2, here, keys)
         cache.values[layer].index_copy_(2, here, values)
@@ -160,3 +143,12 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
         rows, hidden = rows[keep], hidden[:, keep]
         hidden = adapter.run_layers(hidden, positions[rows], cache, range(layer, layer + 1), n, mask=mask[:, :, rows])
     return BlendResult(hidden[:, -1:], layer_positions or [positions])
+
+
+def blend(request: Request) -> Prefilled:
+    result = cacheblend_prefill(request.adapter, request.cache, request.plan, request.repair)
+    return Prefilled(result.hidden, result.recomputed_tokens)
+
+
+CACHEBLEND = register(Strategy("cacheblend", "content hits reused, the tokens whose K/V deviate most recomputed "
+                               "layer by layer (the default)", True, True, True, blend, guarded=True))

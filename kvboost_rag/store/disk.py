@@ -10,10 +10,10 @@ A small JSON index maps content keys to prefix keys for `find_content`. It is on
 files' headers: on open it is reconciled with the directory (files it lacks are read, files gone
 are dropped), so a missing, stale or corrupt index costs a scan, never a wrong answer.
 
-This module holds the K/V file format (`write_entry`, `read_entry`) and `DiskStore`. The folder also holds
-the document index and drift maps: `verify_dir` and `prune_dir`, which know every kind of file it may hold,
-are in store/folder.py; the write helpers all its files share, and why a folder that cannot be written
-never fails a request, in store/files.py.
+The K/V file format is store/entries.py. The folder also holds the document index and drift maps:
+`verify_dir` and `prune_dir`, which know every kind of file it may hold, are in store/folder.py; the write
+helpers all its files share, and why a folder that cannot be written never fails a request, in
+store/files.py.
 """
 
 from __future__ import annotations
@@ -24,15 +24,22 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import torch
 import xxhash
-from safetensors import safe_open
-from safetensors.torch import save
 
 from kvboost_rag.config import check_file_mode
 from kvboost_rag.store.base import KVEntry, KVStore
+from kvboost_rag.store.entries import (
+    FORMAT_VERSION,
+    SUFFIX,
+    BadEntryFile,
+    StoreIntegrityWarning,
+    _warn_bad,
+    entry_path,
+    read_entry,
+    read_header,
+    write_entry,
+)
 from kvboost_rag.store.files import (
     DEFAULT_FILE_MODE,
     _mtime,
@@ -41,155 +48,10 @@ from kvboost_rag.store.files import (
     write_failed,
     write_succeeded,
 )
-from kvboost_rag.store.quant import QuantizedKV, StoredEntry, decode_entry, encode_entry
+from kvboost_rag.store.folder import PruneReport, VerifyReport, file_kind, list_entry_files, prune_dir, verify_dir
+from kvboost_rag.store.quant import StoredEntry, decode_entry, encode_entry
 
-if TYPE_CHECKING:  # for annotations only: at run time folder.py imports this module (see DiskStore.verify)
-    from kvboost_rag.store.folder import PruneReport, VerifyReport
-
-FORMAT_VERSION = 1
-SUFFIX = ".safetensors"
-_DTYPES = {
-    str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-}
-
-
-class StoreIntegrityWarning(UserWarning):
-    """A stored KV file was ignored because it is damaged, foreign or of another format version."""
-
-
-class BadEntryFile(Exception):
-    """A KV file that must not be served; `str()` says what is wrong with it."""
-
-
-# -- one file ----------------------------------------------------------------------------------
-
-
-def entry_path(directory: Path, prefix_key: bytes) -> Path:
-    return Path(directory) / f"{prefix_key.hex()}{SUFFIX}"
-
-
-def write_entry(path: Path, stored: StoredEntry, fingerprint: str, file_mode: int = DEFAULT_FILE_MODE) -> None:
-    """Write `stored` to `path` atomically, with permissions `file_mode`."""
-    tensors = {"token_ids": torch.tensor(stored.token_ids, dtype=torch.int64)}
-    if stored.raw is not None:
-        tensors["keys"], tensors["values"] = stored.raw
-        key_shape, value_shape = stored.raw[0].shape, stored.raw[1].shape
-        group_size = 0
-    else:
-        tensors.update(stored.quantized.tensors())
-        key_shape, value_shape = stored.quantized.key_shape, stored.quantized.value_shape
-        group_size = stored.quantized.group_size
-    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    meta = {
-        "format_version": str(FORMAT_VERSION),
-        "fingerprint": fingerprint,
-        "kv_bits": str(stored.bits),
-        "group_size": str(group_size),
-        "dtype": str(stored.dtype).removeprefix("torch."),
-        "start": str(stored.start),
-        "key_shape": json.dumps(list(key_shape)),
-        "value_shape": json.dumps(list(value_shape)),
-        "prefix_key": stored.prefix_key.hex(),
-        "content_key": stored.content_key.hex(),
-    }
-    meta["checksum"] = _checksum(meta, tensors)
-    write_atomic(path, save(tensors, metadata=meta), file_mode)
-
-
-def read_header(path: Path) -> dict[str, str]:
-    """The file's metadata, without reading or checking its tensors. Raises BadEntryFile."""
-    with _open(path) as f:
-        return _metadata(f)
-
-
-def read_entry(path: Path, *, fingerprint: str | None = None, prefix_key: bytes | None = None) -> StoredEntry:
-    """Read and check a file: format version, fingerprint (when given), prefix key (when given),
-    checksum, tensor layout. Raises BadEntryFile on any failure, FileNotFoundError when absent."""
-    # One open for metadata and tensors: a concurrent os.replace cannot mix two versions.
-    with _open(path) as f:
-        meta = _metadata(f)
-        if meta.get("format_version") != str(FORMAT_VERSION):
-            version = meta.get("format_version")
-            raise BadEntryFile(f"format version {version!r}, this kvboost-rag reads {FORMAT_VERSION}")
-        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
-            raise BadEntryFile(
-                f"written for model fingerprint {meta.get('fingerprint')!r}, not {fingerprint!r}"
-            )
-        if prefix_key is not None and meta.get("prefix_key") != prefix_key.hex():
-            raise BadEntryFile(f"holds prefix key {meta.get('prefix_key')}, not the one its name says")
-        try:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
-        except Exception as e:
-            raise BadEntryFile(f"unreadable ({e})") from e
-    body = {k: v for k, v in meta.items() if k != "checksum"}
-    if meta.get("checksum") != _checksum(body, tensors):
-        raise BadEntryFile("checksum mismatch (the file was damaged after it was written)")
-    try:
-        return _stored_from(meta, tensors)
-    except (KeyError, ValueError, TypeError) as e:
-        raise BadEntryFile(f"inconsistent contents ({e})") from e
-
-
-@contextlib.contextmanager
-def _open(path: Path):
-    try:
-        f = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error type for every kind of damage
-        if not Path(path).exists():
-            raise FileNotFoundError(path) from e  # absent or removed meanwhile: a miss, not damage
-        raise BadEntryFile(f"unreadable ({e})") from e
-    with f:
-        yield f
-
-
-def _metadata(f) -> dict[str, str]:
-    meta = f.metadata()
-    if not meta:
-        raise BadEntryFile("no kvboost-rag metadata")
-    return meta
-
-
-def _stored_from(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> StoredEntry:
-    bits = int(meta["kv_bits"])
-    common = dict(
-        token_ids=tuple(tensors["token_ids"].tolist()),
-        start=int(meta["start"]),
-        prefix_key=bytes.fromhex(meta["prefix_key"]),
-        content_key=bytes.fromhex(meta["content_key"]),
-        dtype=_DTYPES[meta["dtype"]],
-    )
-    key_shape, value_shape = tuple(json.loads(meta["key_shape"])), tuple(json.loads(meta["value_shape"]))
-    if bits == 16:
-        keys, values = tensors["keys"], tensors["values"]
-        if tuple(keys.shape) != key_shape or tuple(values.shape) != value_shape:
-            raise ValueError("tensor shapes differ from the recorded ones")
-        return StoredEntry(**common, raw=(keys, values))
-    q = QuantizedKV.from_tensors(tensors, key_shape, value_shape, bits, int(meta["group_size"]))
-    return StoredEntry(**common, quantized=q)
-
-
-def _checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    """xxh3_128 over the metadata and every tensor's name, dtype, shape and bytes, in name order."""
-    h = xxhash.xxh3_128()
-    h.update(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
-    return h.hexdigest()
-
-
-def _warn_bad(path: Path, problem: str) -> None:
-    warnings.warn(
-        f"kvboost-rag: ignoring stored KV file {path}: {problem}. The chunk will be recomputed and the "
-        f"file overwritten; run `kvboost-rag store verify {path.parent}` to check the directory and "
-        f"`kvboost-rag store prune {path.parent}` to remove damaged files.",
-        StoreIntegrityWarning,
-        stacklevel=3,
-    )
-
-
-# -- the store ---------------------------------------------------------------------------------
+__all__ = ["DiskStore", "StoreIntegrityWarning", "entry_path"]
 
 
 class DiskStore(KVStore):
@@ -314,10 +176,6 @@ class DiskStore(KVStore):
 
     def verify(self) -> VerifyReport:
         """Check every file in the directory against this store's fingerprint; see `verify_dir`."""
-        # folder.py reads K/V files with this module's format, so it imports this module: imported here,
-        # not at the top, or the two would import each other (likewise in the methods below).
-        from kvboost_rag.store.folder import verify_dir
-
         return verify_dir(self.directory, self.fingerprint)
 
     def prune(
@@ -329,8 +187,6 @@ class DiskStore(KVStore):
         dry_run: bool = False,
     ) -> PruneReport:
         """Remove bad files, and more to meet the limits; see `prune_dir`. The index follows."""
-        from kvboost_rag.store.folder import prune_dir  # see verify
-
         report = prune_dir(
             self.directory,
             self.fingerprint,
@@ -405,8 +261,6 @@ class DiskStore(KVStore):
 
     def _sync_index(self) -> None:
         """Load the index and reconcile it with the files actually present."""
-        from kvboost_rag.store.folder import list_entry_files  # see verify
-
         on_disk = {p.stem for p in list_entry_files(self.directory)}
         self._warn_misnamed()
         content_of, others, loaded = self._load_index()
@@ -460,8 +314,6 @@ class DiskStore(KVStore):
     def _warn_misnamed(self) -> None:
         """A file of ours under a name that is no prefix key is never served (only prefix-key names are
         read): say so once, rather than fail every request that finds it by its content key."""
-        from kvboost_rag.store.folder import file_kind  # see verify
-
         for path in sorted(self.directory.glob(f"*{SUFFIX}")) if self.directory.is_dir() else []:
             if file_kind(path) in ("entry", "drift"):
                 continue

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from kvboost_rag.store.disk import SUFFIX, BadEntryFile, _open, read_entry, read_header
+from kvboost_rag.store.documents import describe_bad_records, drop_bad_records, read_records
+from kvboost_rag.store.entries import SUFFIX, BadEntryFile, _open, read_entry, read_header
 from kvboost_rag.store.files import TEMP_SUFFIX, _mtime, _stat, is_locked
 
 # What each name in the folder is (see file_kind). Prefix keys are written as lowercase hex by entry_path.
@@ -87,9 +88,6 @@ def verify_dir(directory: str | os.PathLike, fingerprint: str | None = None) -> 
     drift maps loaded, document indexes record by record, this tier's index parsed; temp files and
     files that are not kvboost-rag's listed. Without a fingerprint, any intact K/V file is good and
     `fingerprints` says how many each model wrote."""
-    # documents.py imports store/files.py, which runs store/__init__.py, which imports this module: importing
-    # documents at the top would make the two import each other, so it is imported here.
-    from kvboost_rag.documents import describe_bad_records, read_records
 
     directory = Path(directory)
     report = VerifyReport()
@@ -186,7 +184,6 @@ def prune_dir(
     as it takes to fit `max_bytes`. Intact K/V files of another fingerprint are kept unless
     `remove_foreign`. Intact drift maps and document indexes, and files not kvboost-rag's, are never
     removed."""
-    from kvboost_rag.documents import drop_bad_records  # see verify_dir
 
     report = verify_dir(directory, fingerprint)
     now = time.time()

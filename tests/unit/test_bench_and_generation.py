@@ -11,10 +11,10 @@ from kvboost_rag.generation import SamplingParams, TextStream, choose_token
 
 
 def test_strategy_specs_carry_repair_overrides_and_full_comes_first():
-    specs = parse_strategies("naive,cacheblend:recompute_ratio=0.3+select=random,selective", RepairConfig())
+    specs = parse_strategies("naive,cacheblend:recompute_ratio=0.3+taper=1,selective", RepairConfig())
     assert [s.label for s in specs][0] == "full"
     blend = next(s for s in specs if s.strategy == "cacheblend")
-    assert blend.repair.recompute_ratio == 0.3 and blend.repair.select == "random"
+    assert blend.repair.recompute_ratio == 0.3 and blend.repair.taper == 1.0
     assert blend.repair.check_layer == RepairConfig().check_layer
     with pytest.raises(ValueError, match="unknown strategy"):
         parse_strategies("fast", RepairConfig())

@@ -6,7 +6,7 @@ import pytest
 
 from kvboost_rag import keys
 from kvboost_rag.chunking import chunk_document, split_tokens
-from kvboost_rag.documents import Document, DocumentIndex
+from kvboost_rag.store.documents import Document, DocumentIndex
 
 TEXT = ("First paragraph opens here. It has a second sentence that runs on for a while.\n\n"
         "Second paragraph starts now and keeps going with several words. Another sentence follows it. "

@@ -1,10 +1,11 @@
 """Bad settings are refused when made, naming the field, the value and the valid range (issue 23, item 8):
-the config dataclasses, SamplingParams, what depends on the model, the CLI and the serving helpers."""
+the config dataclasses, SamplingParams, what depends on the model, the CLI and the LLM classes' helpers."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,7 @@ from kvboost_rag.config import (
 )
 from kvboost_rag.engine import KVBoost
 from kvboost_rag.generation import SamplingParams
-from kvboost_rag.serving import check_repair_knobs, check_sampling, repair_overrides
+from kvboost_rag.llm import CALL_ARGS, check_fields, check_sampling, repair_overrides, resolve_repair, stream_kwargs
 from kvboost_rag.store.quant import SUPPORTED_BITS
 
 NAN, INF = math.nan, math.inf
@@ -33,11 +34,7 @@ BAD_REPAIR = [
     ("recompute_ratio", INF, "[0, 1]"), ("taper", NAN, ">= 1"), ("taper", 0.5, ">= 1"), ("taper", INF, ">= 1"),
     ("recency", -1.0, ">= 0"), ("recency", NAN, ">= 0"), ("boundary_tokens", -5, ">= 0"),
     ("boundary_tokens", 2.5, ">= 0"), ("check_layer", -1, ">= 0"), ("size_multiple", -2, ">= -1"),
-    ("drift", "no", "True or False"), ("drift_strength", 1.5, "[0, 1]"), ("drift_strength", NAN, "[0, 1]"),
-    ("select", "best", "deviation, random"), ("seed", -1, "[0, 2**64 - 1]"), ("seed", 1.0, "[0, 2**64 - 1]"),
-    ("qa_heads", 0, ">= 1"), ("qa_calib_items", 0, ">= 1"), ("qa_docs", -1, ">= 0"),
-    ("qa_after", "some", "none, all, attn"), ("qa_after_ratio", 1.5, "[0, 1]"), ("qa_damp", -0.1, ">= 0"),
-    ("qa_damp", INF, ">= 0"), ("qa_order", "random", "prompt, relevance_last"),
+    ("drift", "no", "True or False"),
 ]
 
 
@@ -54,10 +51,8 @@ def test_repair_config_refuses_out_of_range_knobs(name, value, span):
 
 def test_repair_config_keeps_the_edges_of_each_range():
     edges = RepairConfig(boundary_tokens=0, check_layer=0, recompute_ratio=0.0, taper=1.0, recency=0.0,
-                         size_multiple=-1, drift=False, drift_strength=0.0, select="random", seed=2**64 - 1,
-                         qa_heads=1, qa_calib_items=1, qa_docs=0, qa_after="attn", qa_after_ratio=1.0, qa_damp=0.0,
-                         qa_order="relevance_last")
-    assert dataclasses.replace(edges, recompute_ratio=1, drift_strength=1, taper=64).recompute_ratio == 1
+                         size_multiple=-1, drift=False)
+    assert dataclasses.replace(edges, recompute_ratio=1, taper=64).recompute_ratio == 1
     assert isinstance(ConfigError("x", "y"), ValueError)  # callers catching ValueError still catch it
 
 
@@ -145,27 +140,89 @@ def test_generate_refuses_a_per_call_repair_out_of_range(make_tiny_engine):
                         repair=dataclasses.replace(engine.config.repair, recompute_ratio=NAN))
 
 
-# -- the serving helpers both LLM classes use -------------------------------------------------------
+# -- the helpers both LLM classes use (kvboost_rag.llm) ---------------------------------------------------
 
 
-def test_serving_checks_knobs_and_sampling_without_an_engine():
-    assert check_repair_knobs({"taper": None, "recency": 0.5}) == {"recency": 0.5}
+def _llm_fields(engine=None, **fields):
+    """What an LLM class holds (ChatKVBoost, KVBoostLLM), without a framework."""
+    defaults = dict(model=None, dtype="float32", doc_context=None, strategy="cacheblend", max_tokens=4,
+                    temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None, repair=None, client=engine)
+    return SimpleNamespace(**(defaults | fields))
+
+
+def test_llm_helpers_check_repair_and_sampling_without_an_engine():
+    assert repair_overrides({"taper": None, "recency": 0.5}) == {"recency": 0.5}  # None: not set
+    assert repair_overrides(None) == {}
     with pytest.raises(ConfigError, match="recompute_ratio"):
-        check_repair_knobs({"recompute_ratio": NAN})
+        repair_overrides({"recompute_ratio": NAN})
     with pytest.raises(ConfigError, match="boundary_tokens"):
-        check_repair_knobs({"boundary_tokens": -5})
+        repair_overrides({"boundary_tokens": -5})
+    with pytest.raises(ConfigError, match="unknown repair setting.*'ratio'; RepairConfig's fields are "
+                                          "boundary_tokens, check_layer, recompute_ratio"):
+        repair_overrides({"ratio": 0.3, "recency": 0.5})
+    with pytest.raises(ConfigError, match="RepairConfig, a dict of its fields or None, got float"):
+        repair_overrides(0.3)
     call = check_sampling({"strategy": "full", "max_new_tokens": 3, "temperature": 0.0, "stop": ["\n"]})
     assert call["stop"] == ("\n",) and call["strategy"] == "full"
     with pytest.raises(ConfigError, match="temperature"):
         check_sampling({"temperature": NAN})
 
 
-def test_repair_overrides_check_the_engines_model(make_tiny_engine):
-    engine = make_tiny_engine()  # 3 layers
-    assert repair_overrides(engine, {"check_layer": 2}).check_layer == 2
-    assert repair_overrides(engine, {"check_layer": None}) is None
+def test_llm_call_arguments_are_the_config_fields():
+    repair_fields = [f.name for f in dataclasses.fields(RepairConfig)]
+    sampling = ["max_tokens" if f.name == "max_new_tokens" else f.name for f in dataclasses.fields(SamplingParams)]
+    assert ("strategy", *sampling, *repair_fields, "write_back") == CALL_ARGS
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"strategy": "fastest"}, "unknown strategy 'fastest'"), ({"dtype": "int8"}, "dtype"),
+    ({"doc_context": "sentence"}, "doc_context"), ({"temperature": INF}, "temperature"),
+    ({"stop": "###"}, "wrap it"), ({"repair": {"taper": 0.5}}, "RepairConfig.taper"),
+    ({"repair": {"ratio": 0.5}}, "unknown repair setting"),
+])
+def test_llm_fields_are_checked_as_a_call_would(fields, message):
+    with pytest.raises(ValueError, match=message):
+        check_fields(_llm_fields(**fields))
+    check_fields(_llm_fields(repair=RepairConfig(taper=2.0)))
+
+
+def test_resolve_repair_lays_settings_over_the_engines_config(make_tiny_engine):
+    engine = make_tiny_engine(EngineConfig(repair=RepairConfig(taper=3.0)), guarded=True)  # 3 layers
+    assert resolve_repair(engine, {"check_layer": 2}) == RepairConfig(taper=3.0, check_layer=2)
+    assert resolve_repair(engine, {"check_layer": 2}, {"check_layer": 0}).check_layer == 0  # the call wins
+    assert resolve_repair(engine, None) is None and resolve_repair(engine, {"check_layer": None}) is None
+    whole = RepairConfig(recency=0.0)
+    assert resolve_repair(engine, whole, {"taper": 2.0}) == RepairConfig(recency=0.0, taper=2.0)  # not the engine's
     with pytest.raises(ConfigError, match="below the model's 3 layers"):
-        repair_overrides(engine, {"check_layer": 999})
+        resolve_repair(engine, {"check_layer": 999})
+    with pytest.raises(ConfigError, match="below the model's 3 layers"):
+        resolve_repair(engine, whole, {"check_layer": 3})
+
+
+def test_stream_kwargs_reach_the_engine(make_tiny_engine):
+    engine = make_tiny_engine(EngineConfig(repair=RepairConfig(taper=3.0)), guarded=True)
+    llm = _llm_fields(engine, repair={"recompute_ratio": 1.0}, stop=["\n"])
+    call = stream_kwargs(llm, {"recompute_ratio": 0.3, "max_tokens": 2, "write_back": 0}, "TestLLM")
+    assert call == {"strategy": "cacheblend", "max_new_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                    "seed": None, "stop": ("\n",), "write_back": False,
+                    "repair": RepairConfig(taper=3.0, recompute_ratio=0.3)}
+    assert engine.generate("Hello there.", **call).generated_tokens <= 2
+    assert "repair" not in stream_kwargs(_llm_fields(engine), {}, "TestLLM")
+
+
+def test_stream_kwargs_refuse_before_touching_the_engine():
+    class NoEngine(SimpleNamespace):
+        @property
+        def client(self):
+            raise AssertionError("the engine was touched before the arguments were checked")
+
+    llm = NoEngine(**{k: v for k, v in vars(_llm_fields()).items() if k != "client"})
+    for bad, error in [({"ratio": 0.3}, TypeError), ({"strategy": "fastest"}, ValueError),
+                       ({"top_k": -1}, ValueError), ({"taper": NAN}, ValueError)]:
+        with pytest.raises(error, match=next(iter(bad))):
+            stream_kwargs(llm, bad, "TestLLM")
+    with pytest.raises(TypeError, match="TestLLM got unexpected argument"):
+        stream_kwargs(llm, {"max_new_token": 3}, "TestLLM")
 
 
 # -- the command line ---------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ from safetensors.torch import save_file
 
 from kvboost_rag import EngineConfig, RepairConfig
 from kvboost_rag.assembly import APPROX, EXACT, assemble
+from kvboost_rag.calibrate import corpus_prompts, drift_samples
 from kvboost_rag.config import StoreConfig
-from kvboost_rag.drift import DriftMaps, blend, calibration_prompts, fit
+from kvboost_rag.drift import DriftMaps, fit
 
 
 def affine_maps(adapter, scale: float = 1.0, bias: float | tuple[float, ...] = 0.0) -> DriftMaps:
@@ -94,8 +95,9 @@ def test_maps_per_place_fit_better_and_a_place_calibration_never_reached_takes_t
         make_tiny_engine, docs):
     engine = make_tiny_engine()
     engine.ingest(docs)
-    prompts = calibration_prompts(engine, docs, count=4, per_prompt=3)
-    pooled, per_place = fit(engine, prompts), fit(engine, prompts, places=5)
+    prompts = corpus_prompts(engine, docs, count=4, per_prompt=3)
+    samples = drift_samples(engine, prompts)
+    pooled, per_place = fit(engine.adapter, samples), fit(engine.adapter, samples, places=5)
     assert per_place.places == 5 and pooled.places == 1
     # Places 3 and 4 saw no calibration token: both get the map fitted on every place.
     for maps in (per_place.keys, per_place.values):
@@ -108,14 +110,14 @@ def test_maps_per_place_fit_better_and_a_place_calibration_never_reached_takes_t
 
     assert error(per_place) < error(pooled)  # a least-squares fit per place, on these very prompts
     with pytest.raises(ValueError, match="places must be >= 1"):
-        fit(engine, prompts, places=0)
+        fit(engine.adapter, samples, places=0)
 
 
 def test_fitted_maps_bring_stale_kv_closer_to_the_truth(make_tiny_engine, docs):
     engine = make_tiny_engine()
     engine.ingest(docs)
-    prompts = calibration_prompts(engine, docs, count=3, per_prompt=4)
-    maps = fit(engine, prompts)
+    prompts = corpus_prompts(engine, docs, count=3, per_prompt=4)
+    maps = fit(engine.adapter, drift_samples(engine, prompts))
     assert maps.prompts == 3
     for prompt in prompts:
         # least squares on these very prompts: strictly closer
@@ -124,7 +126,7 @@ def test_fitted_maps_bring_stale_kv_closer_to_the_truth(make_tiny_engine, docs):
 
 def test_calibration_prompts_fit_the_context_window(make_tiny_engine, docs):
     engine = make_tiny_engine(max_position_embeddings=160)
-    prompts = calibration_prompts(engine, docs, count=4, per_prompt=len(docs), seed=1)
+    prompts = corpus_prompts(engine, docs, count=4, per_prompt=len(docs), seed=1)
     assert len(prompts) == 4
     for prompt in prompts:
         assert engine.plan(prompt, "full").num_tokens <= 160
@@ -134,7 +136,7 @@ def test_calibration_prompts_fit_the_context_window(make_tiny_engine, docs):
         return [{"role": "system", "content": "Answer from the documents."},
                 {"role": "user", "content": "Documents:\n" + "\n\n".join(documents)}]
 
-    laid_out = calibration_prompts(engine, docs, count=4, per_prompt=len(docs), seed=1, layout=layout)
+    laid_out = corpus_prompts(engine, docs, count=4, per_prompt=len(docs), seed=1, layout=layout)
     for prompt in laid_out:
         assert prompt[0]["role"] == "system" and prompt[1]["content"].startswith("Documents:\n")
         assert engine.plan(prompt, "full").num_tokens <= 160
@@ -144,7 +146,7 @@ def test_maps_apply_only_when_fitted_and_asked_for(make_tiny_engine, docs, rag_p
     engine = make_tiny_engine()
     engine.ingest(docs)
     prompt = rag_prompt(docs[::-1], "Who founded the company?")
-    off = RepairConfig(drift=False)
+    off = RepairConfig(drift=False, fidelity="fast")
     stored = engine.prefill(prompt, "cacheblend", write_back=False, repair=off)
     assert engine.drift is None  # never fitted: the default (drift on) serves the stored K/V
     assert torch.equal(engine.prefill(prompt, "cacheblend", write_back=False).logits, stored.logits)
@@ -154,31 +156,9 @@ def test_maps_apply_only_when_fitted_and_asked_for(make_tiny_engine, docs, rag_p
     assert torch.equal(engine.prefill(prompt, "cacheblend", write_back=False, repair=off).logits, stored.logits)
     assert torch.equal(engine.prefill(prompt, "naive", write_back=False).logits,
                        engine.prefill(prompt, "cacheblend", write_back=False,
-                                      repair=RepairConfig(recompute_ratio=0.0, drift=False)).logits)
+                                      repair=RepairConfig(recompute_ratio=0.0, drift=False, fidelity="fast")).logits)
     with pytest.raises(ValueError, match="at least two"):
         make_tiny_engine().fit_drift()
-
-
-def test_drift_strength_moves_the_reused_kv_part_of_the_way_from_stored_to_mapped(make_tiny_engine, docs, rag_prompt):
-    engine = make_tiny_engine()
-    engine.ingest(docs)
-    prompt = rag_prompt(docs[::-1], "Who founded the company?")
-    maps = affine_maps(engine.adapter, scale=1.5, bias=(0.3, -0.2, 0.1))
-    (p, stored), (_, mapped), (_, half) = (naive_cache(engine, prompt, m) for m in (None, maps, blend(maps, 0.5)))
-    reused = p.positions(APPROX)
-    for layer in range(1, engine.adapter.num_layers):
-        for got, low, high in ((half.keys, stored.keys, mapped.keys), (half.values, stored.values, mapped.values)):
-            a, b, c = (t[layer][0, :, reused] for t in (got, low, high))
-            assert not torch.allclose(b, c)
-            torch.testing.assert_close(a, (b + c) / 2, rtol=1e-4, atol=1e-5)
-    assert blend(maps, 1.0) is maps
-    torch.testing.assert_close(naive_cache(engine, prompt, blend(maps, 0.0))[1].all_keys, stored.all_keys)
-    engine.drift = maps
-    served = engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(drift_strength=0.0))
-    off = engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(drift=False))
-    torch.testing.assert_close(served.logits, off.logits)
-    with pytest.raises(ValueError, match="drift_strength"):
-        engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(drift_strength=1.5))
 
 
 def test_saved_maps_are_found_by_the_next_engine_and_a_foreign_old_or_damaged_file_is_ignored(
@@ -207,4 +187,5 @@ def test_saved_maps_are_found_by_the_next_engine_and_a_foreign_old_or_damaged_fi
         damaged = make_tiny_engine(config)
     assert damaged.drift is None
     assert torch.equal(damaged.prefill(prompt, "cacheblend", write_back=False).logits,
-                       damaged.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(drift=False)).logits)
+                       damaged.prefill(prompt, "cacheblend", write_back=False,
+                                       repair=RepairConfig(drift=False, fidelity="fast")).logits)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvboost_rag import ChunkingConfig, EngineConfig, RepairConfig, StoreConfig
 from kvboost_rag.adapter import ModelAdapter, UnsupportedModelError
-from kvboost_rag.assembly import APPROX, EXACT
+from kvboost_rag.assembly import APPROX, CONTEXT_PASSAGE, EXACT
 from kvboost_rag.cli import build_parser
 from kvboost_rag.cli.common import engine_config
-from kvboost_rag.engine import CONTEXT_PASSAGE
 
 
 def first_token_gap(engine, prompt, strategy, **kw):
@@ -42,7 +43,9 @@ def test_exact_prefix_hit_equals_full_prefill(make_tiny_engine, docs, rag_prompt
     first = engine.prefill(prompt, "prefix")
     assert first.exact_tokens == 0
     gap, again = first_token_gap(engine, prompt, "prefix")
-    assert again.exact_tokens == again.prompt_tokens and again.recomputed_tokens == 1
+    # Every token an exact hit; the last one is run again for its logits, so it is not counted as reused.
+    assert again.plan.count(EXACT) == again.prompt_tokens and again.recomputed_tokens == 1
+    assert again.exact_tokens == again.reused_tokens == again.prompt_tokens - 1
     assert gap < 1e-4
 
 
@@ -141,8 +144,13 @@ def test_stream_and_stop_strings(make_tiny_engine, docs, rag_prompt):
 
 def test_cli_repair_options_reach_the_engine_config():
     parser = build_parser()
-    args = parser.parse_args(["ask", "q?", "--docs", "a.txt", "--no-drift", "--drift-strength", "0.5",
-                              "--recency", "2"])
+    args = parser.parse_args(["ask", "q?", "--docs", "a.txt", "--no-drift", "--taper", "2", "--recency", "2",
+                              "--size-multiple", "0"])
     repair = engine_config(args).repair
-    assert (repair.drift, repair.drift_strength, repair.recency) == (False, 0.5, 2.0)
+    assert (repair.drift, repair.taper, repair.recency, repair.size_multiple) == (False, 2.0, 2.0, 0)
+    # Every RepairConfig field has its flag, with the field's default; ingest answers nothing: no repair flags.
+    assert {a.dest for a in parser._subparsers._group_actions[0].choices["ask"]._actions} >= set(
+        f.name for f in dataclasses.fields(RepairConfig))
+    assert not {a.dest for a in parser._subparsers._group_actions[0].choices["ingest"]._actions} & set(
+        f.name for f in dataclasses.fields(RepairConfig))
     assert engine_config(parser.parse_args(["ask", "q?", "--docs", "a.txt"])).repair == RepairConfig()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvboost_rag import RepairConfig
-from kvboost_rag.assembly import APPROX, COMPUTE, assemble
+from kvboost_rag.assembly import APPROX, COMPUTE, EXACT, assemble
 from kvboost_rag.repair import cacheblend
-from kvboost_rag.repair.cacheblend import cacheblend_prefill, choose, layer_fractions
+from kvboost_rag.repair.cacheblend import cacheblend_prefill, layer_fractions, top_deviations
 from kvboost_rag.repair.selective import selective_positions
 
 
@@ -106,24 +106,23 @@ def test_selective_recomputes_chunk_heads_and_uncached_tokens(reordered):
 def test_cacheblend_budget_ends_are_full_prefill_and_naive_reuse(reordered):
     engine, prompt = reordered
     full = engine.prefill(prompt, "full", write_back=False)
-    blend = engine.prefill(prompt, "cacheblend", write_back=False, repair=RepairConfig(recompute_ratio=1.0))
+    blend = engine.prefill(prompt, "cacheblend", write_back=False,
+                           repair=RepairConfig(recompute_ratio=1.0, fidelity="fast"))
     naive = engine.prefill(prompt, "naive", write_back=False)
     assert blend.recomputed_tokens == blend.prompt_tokens
     assert (blend.logits - full.logits).abs().max() < 1e-4
     assert (naive.logits - full.logits).abs().max() > 1e-3  # the comparison can see reuse
     none = engine.prefill(prompt, "cacheblend", write_back=False,
-                          repair=RepairConfig(recompute_ratio=0.0, drift=False))
+                          repair=RepairConfig(recompute_ratio=0.0, drift=False, fidelity="fast"))
     assert none.recomputed_tokens == naive.recomputed_tokens and torch.equal(none.logits, naive.logits)
 
 
-def test_selection_ranks_by_deviation_and_random_is_a_control():
+def test_selection_ranks_by_deviation():
     deviation = torch.tensor([0.0, 5.0, 1.0, 9.0, 3.0])
     candidates = torch.tensor([0, 1, 2, 3])  # index 4 is not a candidate
-    assert sorted(choose(deviation, candidates, 2, "deviation", 0).tolist()) == [1, 3]
-    picks = {tuple(sorted(choose(deviation, candidates, 2, "random", s).tolist())) for s in range(20)}
-    assert len(picks) > 1 and all(set(p) <= {0, 1, 2, 3} for p in picks)
-    with pytest.raises(ValueError, match="unknown select mode"):
-        choose(deviation, candidates, 2, "best", 0)
+    assert sorted(top_deviations(deviation, candidates, 2).tolist()) == [1, 3]
+    assert top_deviations(deviation, candidates, 0).numel() == 0
+    assert sorted(top_deviations(deviation, candidates, 9).tolist()) == [0, 1, 2, 3]
 
 
 def test_projected_kv_is_what_the_layer_writes(reordered):
@@ -167,22 +166,6 @@ def test_size_multiple_rounds_every_set(reordered):
     assert all(size % 16 == 0 or size == everything for size in auto_sizes())
 
 
-def test_pinned_positions_run_every_layer_outside_the_budget(reordered):
-    engine, prompt = reordered
-    plan = engine.plan(prompt, "cacheblend")
-    reused = plan.positions(APPROX)
-    pinned = reused[: reused.numel() // 3]  # as if a query-aware pass had chosen these
-    config = RepairConfig(recompute_ratio=0.2, taper=4.0, size_multiple=0)
-    with torch.inference_mode():
-        result = cacheblend_prefill(engine.adapter, assemble(plan, engine.adapter, plan.num_tokens), plan, config,
-                                    pinned=pinned)
-    others = reused[~torch.isin(reused, pinned)]
-    fractions = layer_fractions(0.2, 4.0, len(result.layer_positions))
-    for fraction, positions in zip(fractions, result.layer_positions, strict=True):
-        assert torch.isin(pinned, positions).all()
-        assert int(torch.isin(positions, others).sum()) == math.ceil(fraction * others.numel())
-
-
 def test_rounded_sets_do_not_depend_on_the_template_being_a_cache_hit(make_tiny_engine, docs, rag_prompt):
     """With rounding on, a request and its repeat (whose opening text was written back in between, so is
     now an exact hit instead of computed) choose the same reused tokens at every layer."""
@@ -206,3 +189,25 @@ def test_rounded_sets_do_not_depend_on_the_template_being_a_cache_hit(make_tiny_
     opening = second_plan.count("exact") - first_plan.count("exact")  # computed first, a hit now
     assert opening > 0 and opening % 16
     assert first == second
+
+
+def test_prefix_recomputes_a_cached_prefix_too_short_to_pay_and_reuses_a_long_one(make_tiny_engine, docs,
+                                                                                   rag_prompt):
+    """A short cached prefix (the template's opening) costs more to attend around than to compute again, so
+    prefix then runs the whole prompt causally, as full does; a long one (a repeat) is reused."""
+    from kvboost_rag.repair.reuse import MIN_PREFIX_FRACTION
+
+    engine = make_tiny_engine()
+    prompt = rag_prompt(docs, "Who founded the company?")
+    engine.ingest(docs)
+    rendered = engine.render(prompt)
+    engine.prefill(rendered[:rendered.index(docs[0])], "prefix")  # the opening, stored under its prefix keys
+    short = engine.prefill(prompt, "prefix", write_back=False)
+    assert 0 < short.plan.count(EXACT) < MIN_PREFIX_FRACTION * short.prompt_tokens and short.exact_tokens == 0
+    assert short.recomputed_tokens == short.prompt_tokens
+    full = engine.prefill(prompt, "full", write_back=False)
+    assert torch.equal(short.logits, full.logits)
+    engine.prefill(prompt, "prefix")  # written back: the repeat is all exact hits
+    long = engine.prefill(prompt, "prefix", write_back=False)
+    assert long.recomputed_tokens < 0.1 * long.prompt_tokens
+    assert (long.logits - full.logits).abs().max() < 1e-4

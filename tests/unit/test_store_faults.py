@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 from kvboost_rag import EngineConfig, StoreConfig, drift
 from kvboost_rag.chunking import Chunk
 from kvboost_rag.cli import store as store_cli
-from kvboost_rag.documents import Document, DocumentIndex, encode_record
 from kvboost_rag.store.disk import DiskStore, StoreIntegrityWarning, entry_path
+from kvboost_rag.store.documents import Document, DocumentIndex, encode_record
 from kvboost_rag.store.files import StoreWriteWarning, write_atomic
 from kvboost_rag.store.folder import list_entry_files, prune_dir, verify_dir
 from kvboost_rag.store.memory import MemoryStore

@@ -18,26 +18,12 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from kvboost_rag import Generation, KVBoost
-from kvboost_rag.config import check_doc_context, check_order, check_strategy
-from kvboost_rag.models import parse_dtype
-from kvboost_rag.serving import (
-    REPAIR_FIELDS,
-    astream_pieces,
-    check_engine_doc_context,
-    check_llm_fields,
-    check_repair_knobs,
-    check_sampling,
-    model_key,
-    repair_overrides,
-    shared_engine,
-)
+from kvboost_rag import Generation, KVBoost, RepairConfig
+from kvboost_rag import llm as kvboost_llm
+from kvboost_rag.serving import astream_pieces, shared_engine
 
-# Per-call keyword arguments (`invoke(..., strategy="full")`, `.bind(max_tokens=8)`).
-_CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", *REPAIR_FIELDS,
-              "write_back")
 # Keyword arguments LangChain itself may pass down; they need nothing from us.
 _IGNORED_ARGS = ("stream",)
 
@@ -51,7 +37,7 @@ class ChatKVBoost(BaseChatModel):
 
     Setup:
         ```bash
-        pip install langchain-kvboost
+        pip install -e integrations/langchain  # from a kvboost-rag checkout
         ```
 
     Instantiate:
@@ -69,11 +55,11 @@ class ChatKVBoost(BaseChatModel):
         msg.response_metadata["ttft_ms"]
         ```
 
-    Per call, `strategy`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-    `recompute_ratio`, `taper`, `recency`, `boundary_tokens`, `check_layer`, `qa_order`, `drift`, `drift_strength`
-    and `write_back`
-    can be overridden:
-    `llm.invoke(msgs, strategy="full")` or `llm.bind(strategy="full")`.
+    Repair settings: `repair` holds a `kvboost_rag.RepairConfig`, or a dict of some of its fields laid
+    over the engine's own config (`ChatKVBoost(repair={"recompute_ratio": 0.3})`). Per call, `strategy`,
+    the sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `seed`), any RepairConfig
+    field and `write_back` can be overridden: `llm.invoke(msgs, strategy="full")`,
+    `llm.bind(recompute_ratio=1.0)`.
 
     Tool calling and structured output are not supported.
     """
@@ -84,12 +70,8 @@ class ChatKVBoost(BaseChatModel):
     """Local folder or hub id of a HuggingFace decoder; None = the bundled SmolLM2-135M-Instruct."""
     dtype: str = "float32"
     """Compute dtype: "float32", "bfloat16" or "float16"."""
-    doc_context: str | None = None
-    """How documents are encoded at ingestion: "passage" (after a neutral paragraph, as a later document of
-    a prompt), "template" or "none" (alone); see kvboost_rag.config.ChunkingConfig. None = the default
-    ("passage"), or the given `engine`'s own."""
-    strategy: str = "cacheblend"
-    """How the assembled prompt cache is repaired: one of kvboost_rag.config.STRATEGIES."""
+    doc_context: str | None = Field(default=None, description=kvboost_llm.DOC_CONTEXT_HELP)
+    strategy: str = Field(default="cacheblend", description=kvboost_llm.STRATEGY_HELP)
     max_tokens: int = Field(default=256, alias="max_new_tokens", ge=1)
     """Most tokens to generate."""
     temperature: float = Field(default=0.0, ge=0.0)
@@ -101,29 +83,9 @@ class ChatKVBoost(BaseChatModel):
     """Generation stops before any of these strings; they are not part of the output."""
     seed: int | None = None
     """Seed of the sampler (with temperature > 0); None = not seeded."""
-    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
-    """cacheblend: fraction of reused tokens recomputed per layer, averaged (the quality dial: 1.0 is
-    a full prefill); None = the engine's default."""
-    taper: float | None = Field(default=None, ge=1.0)
-    """cacheblend: how many times more tokens the first repaired layer runs than the last (1.0 = one
-    set for all layers); None = the engine's default."""
-    recency: float | None = Field(default=None, ge=0.0)
-    """cacheblend: exponent of the position weight on deviation (0 = none); None = the engine's default."""
-    boundary_tokens: int | None = Field(default=None, ge=0)
-    """selective: leading tokens of every reused chunk recomputed; None = the engine's default."""
-    check_layer: int | None = Field(default=None, ge=0)
-    """cacheblend: the layer where KV deviation is measured; None = the engine's default."""
-    qa_order: str | None = None
-    """queryaware: "prompt" (documents stay where they are) or "relevance_last" (the documents the
-    question needs move after the others: a rewritten prompt, which the bundled model answers better
-    than the original; see docs/quality.md); None = the engine's default."""
-    drift: bool | None = None
-    """cacheblend: map the reused documents' K/V with the engine's drift maps before repair (fitted on the
-    corpus by `engine.fit_drift()`; see docs/quality.md); False serves them as stored; None = the engine's
-    default (on once fitted)."""
-    drift_strength: float | None = Field(default=None, ge=0.0, le=1.0)
-    """cacheblend: how far the drift maps move the reused K/V, 0 (as stored) to 1 (as fitted); None = the
-    engine's default."""
+    # A dict first: pydantic would otherwise turn {"recompute_ratio": 0.3} into a whole RepairConfig.
+    repair: dict[str, Any] | RepairConfig | None = Field(default=None, union_mode="left_to_right",
+                                                         description=kvboost_llm.REPAIR_HELP)
     streaming: bool = False
     """Whether `invoke` streams internally (for callback handlers); results are the same."""
     engine: KVBoost | None = Field(default=None, exclude=True)
@@ -132,37 +94,12 @@ class ChatKVBoost(BaseChatModel):
 
     _engine: KVBoost | None = PrivateAttr(default=None)
 
-    @field_validator("strategy")
-    @classmethod
-    def _known_strategy(cls, value: str) -> str:
-        return check_strategy(value)
-
-    @field_validator("qa_order")
-    @classmethod
-    def _known_order(cls, value: str | None) -> str | None:
-        return value if value is None else check_order(value)
-
-    @field_validator("doc_context")
-    @classmethod
-    def _known_doc_context(cls, value: str | None) -> str | None:
-        return value if value is None else check_doc_context(value)
-
     @model_validator(mode="after")
-    def _settings_in_range(self) -> ChatKVBoost:
-        check_llm_fields(self)  # the engine's own checks (finite numbers, seeds, stop strings)
-        return self
-
-    @model_validator(mode="after")
-    def _engine_encodes_as_asked(self) -> ChatKVBoost:
+    def _check_settings(self) -> ChatKVBoost:
+        kvboost_llm.check_fields(self)  # the engine's own checks: names, ranges, stop strings, repair settings
         if self.engine is not None:
-            check_engine_doc_context(self.engine, self.doc_context)
+            kvboost_llm.check_engine(self.engine, self)
         return self
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        parse_dtype(value)  # raises on an unknown name
-        return value
 
     # ---- the engine ------------------------------------------------------------------------
 
@@ -177,9 +114,7 @@ class ChatKVBoost(BaseChatModel):
 
     @property
     def model_name(self) -> str:
-        if self.engine is not None:
-            return self.engine.model_id
-        return model_key(self.model) if self.model is None else self.model
+        return kvboost_llm.model_name(self.model, self.engine)
 
     def prewarm(self, documents: Sequence[Document | str], *, pin: bool = False,
                 show_progress: bool = True) -> list[str]:
@@ -189,12 +124,7 @@ class ChatKVBoost(BaseChatModel):
         id is ""), since they can't appear in a prompt.
         """
         texts = [d.page_content if isinstance(d, Document) else d for d in documents]
-        keep = [i for i, t in enumerate(texts) if t.strip()]
-        ids = self.client.ingest([texts[i] for i in keep], pin=pin, progress=show_progress)
-        out = [""] * len(texts)
-        for i, doc_id in zip(keep, ids, strict=True):
-            out[i] = doc_id
-        return out
+        return kvboost_llm.ingest(self.client, texts, pin=pin, progress=show_progress)
 
     # ---- LangChain plumbing ----------------------------------------------------------------
 
@@ -214,14 +144,7 @@ class ChatKVBoost(BaseChatModel):
             "top_k": self.top_k,
             "stop": self.stop,
             "seed": self.seed,
-            "recompute_ratio": self.recompute_ratio,
-            "taper": self.taper,
-            "recency": self.recency,
-            "boundary_tokens": self.boundary_tokens,
-            "check_layer": self.check_layer,
-            "qa_order": self.qa_order,
-            "drift": self.drift,
-            "drift_strength": self.drift_strength,
+            "repair": self.repair,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -241,44 +164,16 @@ class ChatKVBoost(BaseChatModel):
     def _request(self, messages: list[BaseMessage], stop: list[str] | None,
                  kwargs: dict[str, Any]) -> tuple[list[dict[str, str]], dict[str, Any]]:
         """The chat for the engine, and `KVBoost.stream` keyword arguments for this call."""
-        unknown = set(kwargs) - set(_CALL_ARGS) - set(_IGNORED_ARGS)
-        if unknown:
-            hint = " (tool calling is not supported)" if {"tools", "tool_choice"} & unknown else ""
-            raise TypeError(f"ChatKVBoost got unexpected argument(s) {', '.join(sorted(unknown))}{hint}; "
-                            f"per-call arguments are {', '.join(_CALL_ARGS)}")
-        get = lambda name: kwargs.get(name, getattr(self, name, None))
-        strategy = self._known_strategy(get("strategy"))
-        call: dict[str, Any] = {
-            "strategy": strategy,
-            "max_new_tokens": get("max_tokens"),
-            "temperature": get("temperature"),
-            "top_p": get("top_p"),
-            "top_k": get("top_k"),
-            "seed": get("seed"),
-            "stop": stop if stop is not None else (self.stop or ()),
-        }
-        if "write_back" in kwargs:
-            call["write_back"] = bool(kwargs["write_back"])
-        # Checked before the engine is touched: a bad value loads no model and runs no prefill.
-        call = check_sampling(call)
-        knobs = check_repair_knobs({name: get(name) for name in REPAIR_FIELDS})
-        chat = [_to_chat_message(m) for m in messages]
-        repair = repair_overrides(self.client, knobs)
-        if repair is not None:
-            call["repair"] = repair
-        return chat, call
+        kwargs = {name: value for name, value in kwargs.items() if name not in _IGNORED_ARGS}
+        if {"tools", "tool_choice"} & set(kwargs):
+            raise TypeError("ChatKVBoost does not support tool calling: got tools or tool_choice")
+        if stop is not None:
+            kwargs["stop"] = stop
+        call = kvboost_llm.stream_kwargs(self, kwargs, "ChatKVBoost")
+        return [_to_chat_message(m) for m in messages], call
 
     def _response_metadata(self, result: Generation) -> dict[str, Any]:
-        return {
-            "model_name": self.client.model_id,
-            "finish_reason": result.finish_reason,
-            "strategy": result.strategy,
-            "ttft_ms": result.ttft_ms,
-            "total_ms": result.total_ms,
-            "reused_tokens": result.reused_tokens,
-            "exact_tokens": result.exact_tokens,
-            "recomputed_tokens": result.recomputed_tokens,
-        }
+        return kvboost_llm.figures(self.client, result)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:

@@ -8,6 +8,7 @@ from typing import Any
 from langchain_core.documents import BaseDocumentTransformer, Document
 
 from kvboost_rag import KVBoost
+from kvboost_rag.llm import ingest
 
 from .chat_models import ChatKVBoost
 
@@ -39,11 +40,6 @@ class KVBoostPrewarmTransformer(BaseDocumentTransformer):
         self.metadata_key = metadata_key
 
     def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
-        keep = [i for i, d in enumerate(documents) if d.page_content.strip()]
-        ids = self.engine.ingest([documents[i].page_content for i in keep], pin=self.pin,
-                                 progress=self.show_progress)
-        out = list(documents)
-        for i, doc_id in zip(keep, ids, strict=True):
-            doc = documents[i]
-            out[i] = doc.model_copy(update={"metadata": {**doc.metadata, self.metadata_key: doc_id}})
-        return out
+        ids = ingest(self.engine, [d.page_content for d in documents], pin=self.pin, progress=self.show_progress)
+        return [doc.model_copy(update={"metadata": {**doc.metadata, self.metadata_key: doc_id}}) if doc_id else doc
+                for doc, doc_id in zip(documents, ids, strict=True)]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import time
 
 import pytest
@@ -11,6 +13,10 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.llms.kvboost import KVBoostLLM
 from llama_index.llms.kvboost.base import _to_chat_message
 from pydantic import ValidationError
+
+from kvboost_rag.config import RepairConfig
+from kvboost_rag.llm import REPAIR_FIELDS
+from kvboost_rag.repair import names as repair_names
 
 DOC = ("The Vellmark Observatory stands on Mount Oren, 2,140 metres above the sea. It was opened in 1911 "
        "and its largest telescope has a mirror of 1.8 metres. The observatory is run by the Astral Society "
@@ -22,27 +28,52 @@ def test_fields_and_validation():
     assert KVBoostLLM.class_name() == "KVBoostLLM" and llm._engine is None  # nothing loaded yet
     assert llm.model_name == "SmolLM2-135M-Instruct"
     fields = KVBoostLLM.model_fields
-    assert all(fields[name].description for name in ("model", "dtype", "strategy", "max_tokens", "stop",
-                                                      "recompute_ratio", "taper", "recency", "boundary_tokens",
-                                                      "check_layer", "qa_order", "drift",
-                                                      "drift_strength", "doc_context"))
-    for bad in ({"strategy": "fastest"}, {"dtype": "int8"}, {"recompute_ratio": 2.0}, {"max_tokens": 0},
-                {"taper": 0.5}, {"recency": -1.0}, {"qa_order": "random"}, {"drift_strength": 1.5},
-                {"doc_context": "sentence"}):
+    assert all(fields[name].description for name in ("model", "dtype", "strategy", "max_tokens", "stop", "repair",
+                                                      "doc_context"))
+    assert all(name in fields["strategy"].description for name in repair_names())
+    assert all(f.name in fields["repair"].description for f in dataclasses.fields(RepairConfig))
+    assert not set(REPAIR_FIELDS) & set(fields)  # no field per repair knob
+    for bad in ({"strategy": "fastest"}, {"dtype": "int8"}, {"max_tokens": 0},
+                {"doc_context": "sentence"}, {"repair": "fast"}):
         with pytest.raises(ValidationError):
             KVBoostLLM(**bad)
     with pytest.raises(TypeError, match="max_new_token"):
         llm._call({"max_new_token": 3})
+    for misspelt in ("recompute", "ratio"):  # the per-call arguments named in the error come from the configs
+        with pytest.raises(TypeError, match=f"unexpected argument.*{misspelt}; per-call arguments are strategy, "
+                                            "max_tokens, .*, recompute_ratio, taper, .*, write_back"):
+            llm._call({misspelt: 0.5})
     assert llm._engine is None
+
+
+@pytest.mark.parametrize(("repair", "message"), [
+    ({"recompute_ratio": 2.0}, r"RepairConfig.recompute_ratio must be a finite number in \[0, 1\], got 2.0"),
+    ({"taper": 0.5}, "RepairConfig.taper must be a finite number >= 1, got 0.5"),
+    ({"recency": -1.0}, "RepairConfig.recency must be a finite number >= 0, got -1.0"),
+    ({"size_multiple": 1.5}, "RepairConfig.size_multiple must be an integer >= -1, got 1.5"),
+    ({"drift": 1}, "RepairConfig.drift must be True or False, got 1"),  # not coerced to True
+    ({"recompute": 0.3}, "unknown repair setting.*'recompute'; RepairConfig's fields are boundary_tokens, check_layer"),
+])
+def test_a_bad_repair_dict_fails_at_construction_naming_the_field(repair, message):
+    with pytest.raises(ValidationError, match=message):
+        KVBoostLLM(repair=repair)
+
+
+def test_repair_takes_a_config_or_a_dict_of_its_fields():
+    config = RepairConfig(taper=2.0)
+    assert KVBoostLLM(repair=config).repair is config
+    assert KVBoostLLM(repair={"taper": 2.0, "drift": False}).repair == {"taper": 2.0, "drift": False}
 
 
 @pytest.mark.parametrize(("bad", "message"), [
     ({"recompute_ratio": float("nan")}, r"recompute_ratio must be a finite number in \[0, 1\], got nan"),
     ({"taper": 0.5}, "taper must be a finite number >= 1, got 0.5"),
     ({"boundary_tokens": -5}, "boundary_tokens must be an integer >= 0, got -5"),
+    ({"drift": "no"}, "drift must be True or False"),
     ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
     ({"top_k": -5}, "top_k must be an integer >= 0, got -5"),
     ({"stop": "###"}, "wrap it"),  # a bare stop string is refused, not split into letters
+    ({"strategy": "fastest"}, "unknown strategy 'fastest'; use one of full, "),
 ])
 def test_per_call_values_out_of_range_are_refused_before_any_model_work(bad, message):
     llm = KVBoostLLM()
@@ -51,8 +82,8 @@ def test_per_call_values_out_of_range_are_refused_before_any_model_work(bad, mes
     assert llm._engine is None  # nothing loaded
 
 
-@pytest.mark.parametrize("bad", [{"temperature": float("inf")}, {"taper": float("inf")}, {"seed": -1},
-                                 {"stop": [""]}])
+@pytest.mark.parametrize("bad", [{"temperature": float("inf")}, {"seed": -1}, {"stop": [""]},
+                                 {"repair": {"taper": float("inf")}}])
 def test_fields_out_of_range_are_refused_at_construction(bad):
     with pytest.raises(ValidationError):  # where pydantic's own bounds let them through
         KVBoostLLM(**bad)
@@ -69,14 +100,43 @@ def test_messages_to_chat():
         _to_chat_message(ChatMessage(role=MessageRole.USER, blocks=[ImageBlock(url="http://x/y.png")]))
 
 
+def _with_repair(engine, **settings):
+    """The engine's model and store under another repair config: a shallow copy, nothing loaded again, whose
+    prefill records the RepairConfig each call brings (None = the engine's own)."""
+    tuned = copy.copy(engine)
+    tuned.config = dataclasses.replace(engine.config, repair=dataclasses.replace(engine.config.repair, **settings))
+    tuned.seen = []
+
+    def prefill(*args, repair=None, **kwargs):
+        tuned.seen.append(repair)
+        return engine.prefill(*args, repair=repair, **kwargs)
+
+    tuned.prefill = prefill
+    return tuned
+
+
 @pytest.mark.real_model
-def test_repair_fields_map_to_repair_config(engine):
-    llm = KVBoostLLM(recompute_ratio=0.3, taper=2.0, qa_order="relevance_last")
-    repair = llm._call({"recency": 0.0, "check_layer": 2, "drift": False, "drift_strength": 0.5})["repair"]
-    assert (repair.recompute_ratio, repair.taper, repair.recency, repair.check_layer) == (0.3, 2.0, 0.0, 2)
-    assert repair.qa_order == "relevance_last" and repair.drift is False and repair.drift_strength == 0.5
-    assert repair.select == engine.config.repair.select  # the rest from the engine's own config
-    assert "repair" not in KVBoostLLM()._call({})
+def test_repair_settings_reach_the_engines_repair_config(engine):
+    tuned = _with_repair(engine, taper=3.0, boundary_tokens=5)
+    base = tuned.config.repair
+    llm = KVBoostLLM(engine=tuned, max_tokens=2, repair={"recompute_ratio": 1.0})
+    llm.complete("Name a colour.", recompute_ratio=0.3, check_layer=2)  # per call, over the field
+    llm.chat([ChatMessage(role=MessageRole.USER, content="Name a colour.")], drift=False)
+    KVBoostLLM(engine=tuned, max_tokens=2).complete("Name a colour.")
+    whole = RepairConfig(recompute_ratio=0.5)
+    list(KVBoostLLM(engine=tuned, max_tokens=2, repair=whole).stream_complete("Name a colour.", taper=2.0))
+    assert tuned.seen == [
+        dataclasses.replace(base, recompute_ratio=0.3, check_layer=2),  # the rest from the engine's config
+        dataclasses.replace(base, recompute_ratio=1.0, drift=False),
+        None,  # nothing set: the engine's own
+        dataclasses.replace(whole, taper=2.0),  # a whole RepairConfig replaces the engine's
+    ]
+    assert tuned.seen[0].taper == 3.0 and tuned.seen[0].boundary_tokens == 5
+    layers = engine.adapter.num_layers
+    with pytest.raises(ValueError, match=f"check_layer must be below the model's {layers} layers"):
+        KVBoostLLM(engine=engine, repair={"check_layer": layers})
+    with pytest.raises(ValueError, match=f"check_layer must be below the model's {layers} layers"):
+        KVBoostLLM(engine=engine).complete("hi", check_layer=layers)
 
 
 @pytest.mark.real_model

@@ -34,6 +34,17 @@ class Computed:
             return real(hidden, positions, *args, **kwargs)
 
         monkeypatch.setattr(engine.adapter, "run_layers", counted)
+        # Calibration (run by ingestion once the corpus is large enough) runs forwards of its own: not counted.
+        calibrate = engine.calibrate
+
+        def uncounted(*args, **kwargs):
+            before = self.forwards
+            try:
+                return calibrate(*args, **kwargs)
+            finally:
+                self.forwards = before
+
+        monkeypatch.setattr(engine, "calibrate", uncounted)
 
     def take(self) -> int:
         documents = self.engine.counters["documents_computed"] - self.documents

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import time
 
 import pytest
@@ -11,6 +13,8 @@ from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_kvboost import ChatKVBoost, KVBoostPrewarmTransformer
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from pydantic import ValidationError
+
+from kvboost_rag import RepairConfig
 
 pytestmark = pytest.mark.real_model
 
@@ -117,17 +121,48 @@ def test_stream_carries_figures_on_the_last_chunk_only():
     assert full.content == llm.invoke(_rag_messages("When was it opened?")).content  # greedy: same text
 
 
-def test_repair_fields_map_to_repair_config(engine):
-    llm = ChatKVBoost(recompute_ratio=1.0, boundary_tokens=3, taper=2.0)
-    _, call = llm._request([], None, {"check_layer": 2, "recency": 0.0, "qa_order": "relevance_last",
-                                      "drift": False, "drift_strength": 0.5})
-    repair = call["repair"]
-    assert (repair.recompute_ratio, repair.boundary_tokens, repair.check_layer) == (1.0, 3, 2)
-    assert repair.qa_order == "relevance_last" and repair.drift is False
-    assert (repair.taper, repair.recency, repair.drift_strength) == (2.0, 0.0, 0.5)
-    assert repair.select == engine.config.repair.select  # the rest from the engine's own config
-    _, call = ChatKVBoost()._request([], None, {})
-    assert "repair" not in call
+def _with_repair(engine, **settings):
+    """The engine's model and store under another repair config: a shallow copy, nothing loaded again, whose
+    prefill records the RepairConfig each call brings (None = the engine's own)."""
+    tuned = copy.copy(engine)
+    tuned.config = dataclasses.replace(engine.config, repair=dataclasses.replace(engine.config.repair, **settings))
+    tuned.seen = []
+
+    def prefill(*args, repair=None, **kwargs):
+        tuned.seen.append(repair)
+        return engine.prefill(*args, repair=repair, **kwargs)
+
+    tuned.prefill = prefill
+    return tuned
+
+
+def test_repair_settings_reach_the_engines_repair_config(engine):
+    tuned = _with_repair(engine, taper=3.0, boundary_tokens=5)
+    base = tuned.config.repair
+    llm = ChatKVBoost(engine=tuned, max_tokens=2, repair={"recompute_ratio": 1.0})
+    llm.invoke("Name a colour.", recompute_ratio=0.3, check_layer=2)  # per call, over the field
+    llm.bind(drift=False).invoke("Name a colour.")
+    ChatKVBoost(engine=tuned, max_tokens=2).invoke("Name a colour.")
+    whole = RepairConfig(recompute_ratio=0.5)
+    ChatKVBoost(engine=tuned, max_tokens=2, repair=whole).invoke("Name a colour.", taper=2.0)
+    assert tuned.seen == [
+        dataclasses.replace(base, recompute_ratio=0.3, check_layer=2),  # the rest from the engine's config
+        dataclasses.replace(base, recompute_ratio=1.0, drift=False),
+        None,  # nothing set: the engine's own
+        dataclasses.replace(whole, taper=2.0),  # a whole RepairConfig replaces the engine's
+    ]
+    assert tuned.seen[0].taper == 3.0 and tuned.seen[0].boundary_tokens == 5
+
+
+def test_repair_settings_are_checked_against_the_engines_model(engine):
+    layers = engine.adapter.num_layers
+    with pytest.raises(ValidationError, match=f"check_layer must be below the model's {layers} layers"):
+        ChatKVBoost(engine=engine, repair={"check_layer": layers})
+    llm = ChatKVBoost(repair={"check_layer": layers})  # no engine yet: checked at the first call
+    with pytest.raises(ValueError, match=f"check_layer must be below the model's {layers} layers"):
+        llm.invoke("hi")
+    with pytest.raises(ValueError, match=f"check_layer must be below the model's {layers} layers"):
+        ChatKVBoost().invoke("hi", check_layer=layers)
 
 
 def test_stop_strings_cut_the_answer():

@@ -19,30 +19,16 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.schema import BaseNode, MetadataMode
 
-from kvboost_rag import Generation, KVBoost
-from kvboost_rag.config import check_doc_context, check_order, check_strategy
-from kvboost_rag.models import parse_dtype
-from kvboost_rag.serving import (
-    REPAIR_FIELDS,
-    astream_pieces,
-    check_engine_doc_context,
-    check_llm_fields,
-    check_repair_knobs,
-    check_sampling,
-    model_key,
-    repair_overrides,
-    shared_engine,
-)
+from kvboost_rag import Generation, KVBoost, RepairConfig
+from kvboost_rag import llm as kvboost_llm
+from kvboost_rag.serving import astream_pieces, shared_engine
 
-# Per-call keyword arguments: `llm.complete(prompt, strategy="full")`.
-_CALL_ARGS = ("strategy", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", *REPAIR_FIELDS,
-              "write_back")
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.DEVELOPER: "system",
@@ -79,14 +65,8 @@ class KVBoostLLM(CustomLLM):
         default=None,
         description="Local folder or hub id of a HuggingFace decoder; None = the bundled SmolLM2-135M-Instruct.")
     dtype: str = Field(default="float32", description="Compute dtype: float32, bfloat16 or float16.")
-    doc_context: str | None = Field(
-        default=None,
-        description="How documents are encoded at ingestion: \"passage\" (after a neutral paragraph, as a later "
-                    "document of a prompt), \"template\" or \"none\" (alone); see kvboost_rag.config."
-                    "ChunkingConfig. None = the default (\"passage\"), or the given engine's own.")
-    strategy: str = Field(
-        default="cacheblend",
-        description="How the assembled prompt cache is repaired: one of kvboost_rag.config.STRATEGIES.")
+    doc_context: str | None = Field(default=None, description=kvboost_llm.DOC_CONTEXT_HELP)
+    strategy: str = Field(default="cacheblend", description=kvboost_llm.STRATEGY_HELP)
     max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -94,38 +74,9 @@ class KVBoostLLM(CustomLLM):
     stop: list[str] = Field(default_factory=list,
                             description="Generation stops before any of these strings (not part of the output).")
     seed: int | None = Field(default=None, description="Seed of the sampler when temperature > 0.")
-    recompute_ratio: float | None = Field(
-        default=None, ge=0.0, le=1.0,
-        description="cacheblend: fraction of reused tokens recomputed per layer, averaged (the quality dial: "
-                    "1.0 is a full prefill); None = the engine's default.")
-    taper: float | None = Field(
-        default=None, ge=1.0,
-        description="cacheblend: how many times more tokens the first repaired layer runs than the last "
-                    "(1.0 = one set for all layers); None = the engine's default.")
-    recency: float | None = Field(
-        default=None, ge=0.0,
-        description="cacheblend: exponent of the position weight on deviation (0 = none); None = the engine's "
-                    "default.")
-    boundary_tokens: int | None = Field(
-        default=None, ge=0,
-        description="selective: leading tokens of each reused chunk recomputed; None = the engine's default.")
-    check_layer: int | None = Field(
-        default=None, ge=0,
-        description="cacheblend: layer where KV deviation is measured; None = the engine's default.")
-    qa_order: str | None = Field(
-        default=None,
-        description="queryaware: 'prompt' (documents stay where they are) or 'relevance_last' (the documents "
-                    "the question needs move after the others: a rewritten prompt, which the bundled model "
-                    "answers better than the original; see docs/quality.md); None = the engine's default.")
-    drift: bool | None = Field(
-        default=None,
-        description="cacheblend: map the reused documents' K/V with the engine's drift maps before repair "
-                    "(fitted on the corpus by engine.fit_drift(); see docs/quality.md); False serves them as "
-                    "stored; None = the engine's default (on once fitted).")
-    drift_strength: float | None = Field(
-        default=None, ge=0.0, le=1.0,
-        description="cacheblend: how far the drift maps move the reused K/V, 0 (as stored) to 1 (as fitted); "
-                    "None = the engine's default.")
+    # A dict first: pydantic would otherwise turn {"recompute_ratio": 0.3} into a whole RepairConfig.
+    repair: dict[str, Any] | RepairConfig | None = Field(default=None, union_mode="left_to_right",
+                                                         description=kvboost_llm.REPAIR_HELP)
     context_window: int | None = Field(
         default=None, gt=0, description="Context window told to LlamaIndex; None = the model's own.")
 
@@ -136,34 +87,13 @@ class KVBoostLLM(CustomLLM):
         first use."""
         super().__init__(**kwargs)
         if engine is not None:
-            check_engine_doc_context(engine, self.doc_context)
+            kvboost_llm.check_engine(engine, self)
         self._engine = engine
 
     @model_validator(mode="after")
-    def _settings_in_range(self) -> KVBoostLLM:
-        check_llm_fields(self)  # the engine's own checks (finite numbers, seeds, stop strings)
+    def _check_settings(self) -> KVBoostLLM:
+        kvboost_llm.check_fields(self)  # the engine's own checks: names, ranges, stop strings, repair settings
         return self
-
-    @field_validator("strategy")
-    @classmethod
-    def _known_strategy(cls, value: str) -> str:
-        return check_strategy(value)
-
-    @field_validator("qa_order")
-    @classmethod
-    def _known_order(cls, value: str | None) -> str | None:
-        return value if value is None else check_order(value)
-
-    @field_validator("doc_context")
-    @classmethod
-    def _known_doc_context(cls, value: str | None) -> str | None:
-        return value if value is None else check_doc_context(value)
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        parse_dtype(value)  # raises on an unknown name
-        return value
 
     @classmethod
     def class_name(cls) -> str:
@@ -178,9 +108,7 @@ class KVBoostLLM(CustomLLM):
 
     @property
     def model_name(self) -> str:
-        if self._engine is not None:
-            return self._engine.model_id
-        return model_key(self.model) if self.model is None else self.model
+        return kvboost_llm.model_name(self.model, self._engine)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -199,39 +127,12 @@ class KVBoostLLM(CustomLLM):
         `llm.prewarm(list(index.docstore.docs.values()))`.
         """
         texts = [i if isinstance(i, str) else i.get_content(metadata_mode=MetadataMode.LLM) for i in items]
-        keep = [i for i, t in enumerate(texts) if t.strip()]
-        ids = self.client.ingest([texts[i] for i in keep], pin=pin, progress=show_progress)
-        out = [""] * len(texts)
-        for i, doc_id in zip(keep, ids, strict=True):
-            out[i] = doc_id
-        return out
+        return kvboost_llm.ingest(self.client, texts, pin=pin, progress=show_progress)
 
     # ---- requests --------------------------------------------------------------------------
 
     def _call(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - set(_CALL_ARGS)
-        if unknown:
-            raise TypeError(f"KVBoostLLM got unexpected argument(s) {', '.join(sorted(unknown))}; "
-                            f"per-call arguments are {', '.join(_CALL_ARGS)}")
-        get = lambda name: kwargs.get(name, getattr(self, name, None))
-        call: dict[str, Any] = {
-            "strategy": self._known_strategy(get("strategy")),
-            "max_new_tokens": get("max_tokens"),
-            "temperature": get("temperature"),
-            "top_p": get("top_p"),
-            "top_k": get("top_k"),
-            "seed": get("seed"),
-            "stop": get("stop") or (),
-        }
-        if "write_back" in kwargs:
-            call["write_back"] = bool(kwargs["write_back"])
-        # Checked before the engine is touched: a bad value loads no model and runs no prefill.
-        call = check_sampling(call)
-        knobs = check_repair_knobs({name: get(name) for name in REPAIR_FIELDS})
-        repair = repair_overrides(self.client, knobs)
-        if repair is not None:
-            call["repair"] = repair
-        return call
+        return kvboost_llm.stream_kwargs(self, kwargs, "KVBoostLLM")
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str | Chat:
         if formatted:
@@ -248,24 +149,10 @@ class KVBoostLLM(CustomLLM):
         return [_to_chat_message(m) for m in messages]
 
     def _figures(self, result: Generation) -> dict[str, Any]:
-        return {
-            "model_name": self.client.model_id,
-            "strategy": result.strategy,
-            "finish_reason": result.finish_reason,
-            "ttft_ms": result.ttft_ms,
-            "total_ms": result.total_ms,
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.generated_tokens,
-            "total_tokens": result.prompt_tokens + result.generated_tokens,
-            "reused_tokens": result.reused_tokens,
-            "exact_tokens": result.exact_tokens,
-            "recomputed_tokens": result.recomputed_tokens,
-        }
+        return {**kvboost_llm.figures(self.client, result), **kvboost_llm.token_counts(result)}
 
     def _raw(self, result: Generation) -> dict[str, Any]:
-        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.generated_tokens,
-                 "total_tokens": result.prompt_tokens + result.generated_tokens}
-        return {**dataclasses.asdict(result), "usage": usage}
+        return {**dataclasses.asdict(result), "usage": kvboost_llm.token_counts(result)}
 
     def _completion(self, result: Generation) -> CompletionResponse:
         return CompletionResponse(text=result.text, raw=self._raw(result), additional_kwargs=self._figures(result))

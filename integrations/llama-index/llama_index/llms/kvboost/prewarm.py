@@ -10,6 +10,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from kvboost_rag import KVBoost
+from kvboost_rag.llm import ingest
 from kvboost_rag.serving import engine_scope
 
 from .base import KVBoostLLM
@@ -78,10 +79,10 @@ class KVBoostPrewarm(TransformComponent):
                 if key not in excluded:
                     excluded.append(key)
             texts.append(llm_text(node))
-        keep = [i for i, text in enumerate(texts) if text.strip()]
-        ids = self._engine.ingest([texts[i] for i in keep], pin=self.pin, progress=self.show_progress)
-        for i, doc_id in zip(keep, ids, strict=True):
-            nodes[i].metadata[key] = doc_id
+        ids = ingest(self._engine, texts, pin=self.pin, progress=self.show_progress)
+        for node, doc_id in zip(nodes, ids, strict=True):
+            if doc_id:
+                node.metadata[key] = doc_id
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:

@@ -1,0 +1,112 @@
+"""Calibration on the corpus: the drift maps and the fidelity guard's predictor, fitted in one pass.
+
+Run by `KVBoost.ingest` by itself once the engine knows MIN_DOCUMENTS documents, and again whenever the corpus
+has doubled since (so its cost stays a bounded share of ingestion: `prompts` full prefills and four repaired
+ones per prompt, shown in a progress bar); `KVBoost.calibrate` runs it on demand. Both results are saved next
+to the store's disk tier under the engine's fingerprint, and a file from another model, dtype, tokenizer or
+encoding is refused and fitted again (drift.load, fidelity.load).
+
+Drives the engine through its public methods; the engine imports this module, not the other way round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from . import drift, fidelity
+from .assembly import APPROX
+
+MIN_DOCUMENTS = 8  # fewer documents than this make too few distinct prompts to fit on
+PROMPTS = 8  # calibration prompts per fit: ~8 x 1.5k-token prompts, ~40 s fp32 on the bundled model
+PER_PROMPT = 8  # documents per calibration prompt: about what a retriever returns
+TOKENS = 16  # answer tokens per calibration prompt
+
+
+def due(engine) -> bool:
+    """Whether ingestion should calibrate now: enough documents, and none fitted or the corpus doubled since."""
+    known = len(engine.documents)
+    if known < MIN_DOCUMENTS:
+        return False
+    return engine.predictor is None or known >= 2 * max(engine.predictor.documents, 1)
+
+
+def corpus_prompts(engine, texts: Sequence[str], count: int, per_prompt: int, seed: int = 0,
+                   layout: Callable | None = None) -> list:
+    """`count` prompts of `per_prompt` of `texts` laid out by `layout` (documents -> the application's prompt;
+    the default is the documents alone as one user message), each within the context window."""
+    room = engine.adapter.max_context - 64  # room for the layout's text around the documents
+    return drift.calibration_prompts(texts, lambda text: len(engine.document(text).token_ids), room, count,
+                                     per_prompt, seed, layout or drift.bare_layout)
+
+
+def drift_samples(engine, prompts: Sequence) -> list[tuple[torch.Tensor, list]]:
+    """What drift.fit takes from each prompt: its token ids and its reused (content-hit) chunks."""
+    samples = []
+    for prompt in prompts:
+        p = engine.plan(prompt, "naive")
+        if p.num_tokens <= engine.adapter.max_context:
+            samples.append((p.token_ids, [c for c in p.chunks if c.source == APPROX]))
+    return samples
+
+
+def fit_drift(engine, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = PER_PROMPT,
+              seed: int = 0, layout: Callable | None = None, places: int = drift.PLACES) -> drift.DriftMaps:
+    """Drift maps alone (see drift.py): `prompts` prompts of `per_prompt` documents drawn from `texts` (ingested
+    first), or from every ingested document, laid out by `layout`, with one map per place for a prompt's first
+    `places` documents (the last serving every later one). About one full prefill per prompt."""
+    pool = list(texts) if texts is not None else engine.documents.texts()
+    if texts is not None:
+        engine.ingest(pool, progress=False, calibrate=False)
+    if len(pool) < 2:
+        raise ValueError(f"fit_drift needs at least two ingested documents, got {len(pool)}: ingest the "
+                         "corpus first")
+    with engine.lock:
+        maps = drift.fit(engine.adapter, drift_samples(engine, corpus_prompts(engine, pool, prompts, per_prompt,
+                                                                              seed, layout)), places)
+        engine.set_drift(maps)
+    return maps
+
+
+def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None = None,
+              per_prompt: int = PER_PROMPT, seed: int = 0, layout: Callable | None = None,
+              progress: bool | None = None) -> fidelity.Predictor:
+    """Fit the drift maps (when the engine's repair maps drift), then the fidelity guard's flip curve, on prompts
+    made of the corpus's documents laid out by `layout` (see fit_drift); the engine uses both from now on.
+
+    The curve's samples: for each prompt, a full prefill's greedy answer (TOKENS tokens), and the default
+    strategy's cache teacher-forced on it; at every step, the reused cache's margin and whether its top token
+    differs from the full prefill's there (the situation of a guarded request whose answer so far is full's)."""
+    pool = list(texts) if texts is not None else engine.documents.texts()
+    if len(pool) < MIN_DOCUMENTS:
+        raise ValueError(f"calibration needs at least {MIN_DOCUMENTS} ingested documents, got {len(pool)}: "
+                         "ingest more of the corpus first")
+    laid_out = corpus_prompts(engine, pool, prompts or PROMPTS, per_prompt, seed, layout)
+    bar = tqdm(total=2 * len(laid_out), desc="calibrating", unit="prompt",
+               disable=not progress if progress is not None else None)
+    with engine.lock:
+        if engine.config.repair.drift:
+            engine.set_drift(drift.fit(engine.adapter, drift_samples(engine, laid_out), drift.PLACES, progress=False))
+        bar.update(len(laid_out))
+        unguarded = dataclasses.replace(engine.config.repair, fidelity="fast")
+        margins, flipped = [], []
+        for prompt in laid_out:
+            full = engine.generate(prompt, max_new_tokens=TOKENS, strategy="full", write_back=False)
+            answer = list(full.token_ids)
+            if answer:
+                reused = engine.prefill(prompt, "cacheblend", max_new_tokens=TOKENS, write_back=False,
+                                        repair=unguarded)
+                steps = torch.cat([reused.logits[None], engine.continuation_logits(reused, answer[:-1])]) \
+                    if len(answer) > 1 else reused.logits[None]
+                for logits, token in zip(steps, answer, strict=True):
+                    margins.append(fidelity.margin(logits))
+                    flipped.append(int(logits.argmax()) != token)
+            bar.update(1)
+        bar.close()
+        predictor = fidelity.fit(margins, flipped, documents=len(engine.documents))
+        engine.set_predictor(predictor)
+        engine.counters["calibrations"] += 1
+    return predictor

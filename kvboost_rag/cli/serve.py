@@ -1,0 +1,119 @@
+"""`kvboost-rag serve [--documents PATH...]`: an OpenAI-compatible HTTP server over one engine.
+
+    kvboost-rag serve --store kv/ --documents corpus.jsonl --port 8000
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+
+Needs the `serve` extra (FastAPI, uvicorn): pip install 'kvboost-rag[serve]'. See kvboost_rag/server.py
+for the routes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .common import add_engine_options, engine_config, make_engine, read_documents
+
+# The packages the server needs beyond the base install, by the top-level name an ImportError gives.
+_SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "pydantic"}
+_INSTALL_HINT = "pip install 'kvboost-rag[serve]'"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve chat and text completions over an OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the model's id)")
+    p.add_argument("--documents", nargs="+", type=Path, default=[], metavar="PATH",
+                   help="documents to ingest before serving: a .jsonl file (one JSON string, {\"text\": ...} or "
+                        "{\"documents\": [...]} a line), or text files and folders of them (one document a file)")
+    p.add_argument("--pin", action="store_true", help="never evict the --documents from memory")
+    add_engine_options(p)
+    # The engine options call the disk tier's folder --store, as every subcommand does; --disk-dir is its alias.
+    p.add_argument("--disk-dir", dest="store", type=Path, default=None, help="the same as --store")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    # Every setting, the documents and the server's packages checked before the model is loaded.
+    config = engine_config(args)
+    docs = read_corpus(args.documents)
+    try:
+        import uvicorn
+
+        from ..server import create_app
+    except ImportError as e:
+        if (e.name or "").split(".")[0] not in _SERVE_PACKAGES:
+            raise
+        print(f"kvboost-rag serve: error: {e.name} is not installed; the server needs the serve extra: "
+              f"{_INSTALL_HINT}", file=sys.stderr)
+        return 2
+    engine = make_engine(args, config)
+    try:
+        if docs:
+            ids = engine.ingest(docs, pin=args.pin, progress=True)
+            c = engine.counters
+            print(f"documents {len(ids)} (computed {c['documents_computed']}, already stored "
+                  f"{c['documents_stored']})")
+        uvicorn.run(create_app(engine, model_name=args.model_name), host=args.host, port=args.port)
+    finally:
+        engine.close()  # writes the disk tier's index
+    return 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text!r}")
+    return port
+
+
+def read_corpus(paths: list[Path]) -> list[str]:
+    """The documents of `paths`, each once, in order: JSONL files line by line, anything else as the ingest
+    command reads it (one document per text file)."""
+    texts: list[str] = []
+    for path in paths:
+        if path.suffix.lower() == ".jsonl" and path.is_file():
+            texts.extend(_read_jsonl(path))
+        else:
+            texts.extend(text for _, text in read_documents([path]))
+    return list(dict.fromkeys(text.strip() for text in texts))
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    """One document a line as a JSON string or {"text": ...}, or several as {"documents": [...]} (the bench
+    items' format, so a benchmark file serves its documents)."""
+    texts: list[str] = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg})") from None
+            found = _record_texts(record)
+            if found is None or not all(isinstance(t, str) and t.strip() for t in found):
+                raise ValueError(f'{where}: expected a non-empty string, {{"text": str}} or '
+                                 f'{{"documents": [str, ...]}}')
+            texts.extend(found)
+    if not texts:
+        raise ValueError(f"{path} holds no documents")
+    return texts
+
+
+def _record_texts(record) -> list | None:
+    if isinstance(record, str):
+        return [record]
+    if isinstance(record, dict) and "text" in record:
+        return [record["text"]]
+    if isinstance(record, dict) and isinstance(record.get("documents"), list):
+        return record["documents"]
+    return None

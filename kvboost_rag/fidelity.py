@@ -1,0 +1,132 @@
+"""The fidelity guard: an answer that stays a full prefill's, checked token by token.
+
+A reused cache is close to a full prefill's, not equal: its next-token distribution differs a little, and a
+greedy answer changes where that little difference swaps the top two tokens, which happens where the model is
+unsure between them. So the guard watches each token's margin under the reused cache, log p(top 1) - log p(top
+2), and predicts from it the chance that a full prefill would pick another token there:
+
+    P(flip | margin) = sigmoid(intercept + slope * margin)
+
+fitted per model and corpus (`fit`, on calibration prompts: the reused cache's margins against a full prefill's
+greedy tokens, teacher-forced; run by ingestion itself, see calibrate.py) and saved beside the store. A
+request's risk is the chance its answer differs from a full prefill's so far, 1 - prod(1 - P(flip | m_t)) over
+the tokens served from the reused cache. Before a token would take the risk over the request's target, the
+engine computes the exact cache (a full prefill of the prompt and the tokens so far) and decodes from it from
+then on: the first token's check comes before it is sent, so a request that starts unsure falls back to a full
+prefill (its TTFT is then a full prefill's plus the repair's); a later one costs total time, not TTFT.
+
+Levels name a target risk per request: "fast" (no guard), "balanced" (BALANCED), "strict" (STRICT), or a
+number in (0, 1). Without a calibration the model's DEFAULT curve serves, a conservative one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from .store.files import make_dir, write_atomic
+
+VERSION = 2
+LEVELS = ("fast", "balanced", "strict")
+BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
+STRICT = 0.03
+MIN_TOKENS = 32  # calibration tokens a fit needs, at least a few of them flips
+# Used until a corpus is calibrated: a flip is even odds at margin 0 and 1 in 50 at 2 nats.
+DEFAULT = (0.0, -2.0)
+
+
+def target_of(fidelity: str | float) -> float | None:
+    """The risk a fidelity setting allows per request; None for "fast" (no guard)."""
+    return {"fast": None, "balanced": BALANCED, "strict": STRICT}.get(fidelity, fidelity)  # type: ignore[arg-type]
+
+
+def margin(logits: torch.Tensor) -> float:
+    """log p(top 1) - log p(top 2) of next-token logits [V]: how sure the model is of its greedy token."""
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+@dataclass(frozen=True)
+class Predictor:
+    intercept: float
+    slope: float
+    tokens: int = 0  # calibration tokens fitted on (0: the model's default curve)
+    flips: int = 0  # of them, tokens a full prefill chose otherwise
+    documents: int = 0  # the corpus's size when fitted (a corpus that doubles is fitted again)
+
+    def flip_chance(self, margin: float) -> float:
+        z = self.intercept + self.slope * margin
+        return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+
+DEFAULT_PREDICTOR = Predictor(*DEFAULT)
+
+
+class Guard:
+    """One request's running risk: `trusts(logits)` says whether the next token may come from the reused cache
+    (and counts its risk in), or must come from an exact one."""
+
+    def __init__(self, predictor: Predictor, target: float):
+        self.predictor, self.target = predictor, target
+        self.survive = 1.0  # chance the answer so far equals a full prefill's
+
+    @property
+    def risk(self) -> float:
+        return 1.0 - self.survive
+
+    def trusts(self, logits: torch.Tensor) -> bool:
+        p = self.predictor.flip_chance(margin(logits))
+        if 1.0 - self.survive * (1.0 - p) > self.target:
+            return False
+        self.survive *= 1.0 - p
+        return True
+
+
+def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0) -> Predictor:
+    """Logistic regression of `flipped` on `margins` (Newton's method, a small ridge)."""
+    if len(margins) < MIN_TOKENS:
+        raise ValueError(f"a fidelity predictor needs at least {MIN_TOKENS} calibration tokens, got {len(margins)}")
+    x = torch.tensor(list(margins), dtype=torch.float64)
+    y = torch.tensor([float(f) for f in flipped], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(x), x], dim=1)  # [T, 2]
+    w = torch.tensor(DEFAULT, dtype=torch.float64)
+    ridge = 1e-2 * torch.eye(2, dtype=torch.float64)
+    for _ in range(50):
+        p = torch.sigmoid(design @ w)
+        grad = design.T @ (p - y) + ridge @ (w - torch.tensor(DEFAULT, dtype=torch.float64))
+        hess = design.T @ (design * (p * (1 - p))[:, None]) + ridge
+        step = torch.linalg.solve(hess, grad)
+        w = w - step
+        if step.abs().max() < 1e-9:
+            break
+    return Predictor(float(w[0]), float(w[1]), len(margins), int(y.sum()), documents)
+
+
+def save(predictor: Predictor, path: Path, fingerprint: str, mode: int = 0o600) -> None:
+    make_dir(path.parent, mode)
+    meta = {"fingerprint": fingerprint, "version": str(VERSION), "tokens": str(predictor.tokens),
+            "flips": str(predictor.flips), "documents": str(predictor.documents)}
+    curve = torch.tensor([predictor.intercept, predictor.slope], dtype=torch.float64)
+    write_atomic(path, safetensors.torch.save({"curve": curve}, metadata=meta), mode)
+
+
+def load(path: Path, fingerprint: str) -> Predictor | None:
+    """The saved predictor when it is this engine's (model, weights, dtype, tokenizer, encoding) and whole;
+    else None: a foreign, old or damaged file is never used."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            curve = f.get_tensor("curve")
+        counts = {k: int(meta.get(k, 0)) for k in ("tokens", "flips", "documents")}
+    except Exception:  # noqa: BLE001 - any unreadable file counts as absent
+        return None
+    if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION) or curve.shape != (2,)
+            or not torch.isfinite(curve).all()):
+        return None
+    return Predictor(float(curve[0]), float(curve[1]), **counts)

@@ -1,0 +1,162 @@
+"""The fidelity guard: its predictor, its budget, its fallback to a full prefill, and calibration at ingestion."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from kvboost_rag import fidelity
+from kvboost_rag.calibrate import MIN_DOCUMENTS
+from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
+
+TOWNS = ["Brekkvik", "Osterlund", "Dovrino", "Sarrento", "Lenwick", "Halmstad", "Varde", "Korsby", "Tindra",
+         "Ellstrom"]
+
+
+def corpus() -> list[str]:
+    return [f"{town} is a harbour town of {1000 + 37 * i} people. Its mayor is {name} and its bridge was built "
+            f"in {1800 + 11 * i}. The town is known for its {thing}."
+            for i, (town, name, thing) in enumerate(zip(TOWNS, ["Ingrid", "Tomas", "Mira", "Edda", "Karl", "Lene",
+                                                               "Ola", "Siv", "Bo", "Aud"],
+                                                        ["fish", "salt", "glass", "wool", "boats", "bells", "tar",
+                                                         "rope", "nets", "ale"], strict=True))]
+
+
+def prompt_of(docs, question="Who is the mayor of Varde?"):
+    return [{"role": "user", "content": "\n\n".join(docs) + f"\n\nQuestion: {question}"}]
+
+
+def synthetic_flips(count=400, intercept=1.0, slope=-3.0, seed=0):
+    """Margins and flips drawn from a known logistic law the fit must recover."""
+    gen = torch.Generator().manual_seed(seed)
+    margins = torch.rand(count, generator=gen) * 4
+    flips = torch.rand(count, generator=gen) < torch.sigmoid(intercept + slope * margins)
+    return margins.tolist(), flips.tolist()
+
+
+def test_the_flip_curve_recovers_a_known_law():
+    margins, flips = synthetic_flips()
+    predictor = fidelity.fit(margins, flips, documents=12)
+    assert predictor.intercept == pytest.approx(1.0, abs=0.6) and predictor.slope == pytest.approx(-3.0, abs=0.8)
+    assert predictor.flip_chance(0.0) > 0.5 > predictor.flip_chance(1.0) > predictor.flip_chance(3.0)
+    assert predictor.tokens == 400 and predictor.flips == sum(flips) and predictor.documents == 12
+    with pytest.raises(ValueError, match="at least"):
+        fidelity.fit(margins[:5], flips[:5])
+
+
+def test_the_guard_spends_its_risk_and_refuses_a_token_that_would_pass_the_target():
+    curve = fidelity.Predictor(0.0, -2.0)
+    sure, unsure = torch.tensor([9.0, 0.0, -1.0]), torch.tensor([1.0, 0.9, -1.0])  # margins 9 and 0.1
+    guard = fidelity.Guard(curve, target=0.1)
+    assert guard.trusts(sure) and guard.risk < 1e-6
+    assert not guard.trusts(unsure) and guard.risk < 1e-6  # refused: its risk is not taken
+    loose = fidelity.Guard(curve, target=math.inf)  # "fast": measured, never refused
+    assert loose.trusts(unsure) and loose.risk == pytest.approx(curve.flip_chance(0.1))
+    assert fidelity.target_of("fast") is None and fidelity.target_of("strict") < fidelity.target_of("balanced")
+
+
+def test_a_saved_predictor_is_refused_for_another_fingerprint_version_or_damage(tmp_path):
+    predictor = fidelity.fit(*synthetic_flips(), documents=40)
+    path = tmp_path / "fidelity.safetensors"
+    fidelity.save(predictor, path, "fp-a")
+    assert fidelity.load(path, "fp-a") == predictor
+    assert fidelity.load(path, "fp-b") is None
+    path.write_bytes(path.read_bytes()[:-7])
+    assert fidelity.load(path, "fp-a") is None
+
+
+def test_fidelity_settings_are_checked():
+    assert RepairConfig().fidelity == "balanced"
+    assert RepairConfig(fidelity=0.01).fidelity == 0.01
+    for bad in ("best", 0.0, -1.0, 1.5, math.nan):
+        with pytest.raises(ConfigError, match="fidelity"):
+            RepairConfig(fidelity=bad)
+
+
+@pytest.fixture(autouse=True)
+def few_prompts(monkeypatch):
+    """Calibration on few prompts: the tests check what it does, not how well it predicts."""
+    import kvboost_rag.calibrate
+
+    monkeypatch.setattr(kvboost_rag.calibrate, "PROMPTS", 4)  # 4 x 16 tokens: above fidelity.MIN_TOKENS
+
+
+@pytest.fixture
+def calibrated(make_tiny_engine, tmp_path):
+    engine = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    engine.ingest(corpus())  # enough documents: calibrated by ingestion itself
+    return engine
+
+
+def test_ingestion_calibrates_by_itself_and_the_next_engine_fits_nothing_new(calibrated, make_tiny_engine,
+                                                                             tmp_path):
+    assert len(corpus()) >= MIN_DOCUMENTS
+    assert calibrated.counters["calibrations"] == 1 and calibrated.predictor is not None
+    assert calibrated.drift is not None  # the drift maps, fitted in the same pass
+    assert calibrated.fidelity_path.exists() and calibrated.drift_path.exists()
+    again = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    assert again.predictor is not None
+    again.ingest(corpus())
+    assert again.counters["calibrations"] == 0
+    # Another model (other weights: another fingerprint) never uses these files: it fits its own.
+    other = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)), seed=1, guarded=True)
+    assert other.predictor is None
+    other.ingest(corpus())
+    assert other.counters["calibrations"] == 1
+
+
+def test_a_small_corpus_is_not_calibrated_and_says_so(make_tiny_engine):
+    engine = make_tiny_engine(guarded=True)
+    with pytest.warns(UserWarning, match="too few to calibrate"):
+        engine.ingest(corpus()[:3])
+    assert engine.predictor is None and engine.counters["calibrations"] == 0
+    out = engine.generate(prompt_of(corpus()[:3]), max_new_tokens=4, repair=RepairConfig(fidelity="fast"))
+    assert out.fidelity_estimate > 0  # the model's default curve still estimates
+
+
+def test_a_target_no_cache_meets_falls_back_to_exactly_a_full_prefill(calibrated):
+    engine = calibrated
+    prompt = prompt_of(corpus()[::-1])
+    unreachable = RepairConfig(fidelity=1e-12)
+    guarded = engine.generate(prompt, max_new_tokens=8, repair=unreachable, write_back=False)
+    full = engine.generate(prompt, max_new_tokens=8, strategy="full", write_back=False)
+    assert guarded.fell_back and guarded.exact_from == 0 and guarded.fidelity_estimate == 0.0
+    assert guarded.token_ids == full.token_ids
+    pre = engine.prefill(prompt, repair=unreachable, write_back=False)
+    assert torch.equal(pre.logits, engine.prefill(prompt, "full", write_back=False).logits)
+    assert pre.recomputed_tokens == pre.prompt_tokens
+
+
+def test_an_unsure_token_later_in_the_answer_moves_it_to_an_exact_cache(calibrated):
+    """A target the first token meets but the answer cannot: the rest comes from a full prefill of the prompt
+    and the tokens so far, so it continues as `full` would from there."""
+    engine = calibrated
+    prompt = prompt_of(corpus()[::-1])
+    fast = engine.generate(prompt, max_new_tokens=12, repair=RepairConfig(fidelity="fast"), write_back=False)
+    first = engine.prefill(prompt, repair=RepairConfig(fidelity="fast"), write_back=False)
+    assert fast.exact_from is None and not fast.fell_back and fast.fidelity_estimate > first.risk > 0
+    target = (first.risk + fast.fidelity_estimate) / 2  # above the first token's risk, below the whole answer's
+    guarded = engine.generate(prompt, max_new_tokens=12, repair=RepairConfig(fidelity=target), write_back=False)
+    assert not guarded.fell_back and guarded.exact_from is not None and guarded.exact_from > 0
+    assert guarded.fidelity_estimate <= target
+    k = guarded.exact_from
+    assert guarded.token_ids[:k] == fast.token_ids[:k]
+    # From token k on: what a full prefill of the prompt and the first k tokens decodes.
+    ids = torch.cat([first.plan.token_ids, torch.tensor(guarded.token_ids[:k])])
+    cache, logits = engine._exact_cache(ids, ids.numel() + 12)
+    assert int(logits.argmax()) == guarded.token_ids[k]
+
+
+def test_every_answer_reports_its_estimate(calibrated):
+    engine = calibrated
+    prompt = prompt_of(corpus()[::-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # calibrated: no warning
+        fast = engine.generate(prompt, max_new_tokens=4, repair=RepairConfig(fidelity="fast"), write_back=False)
+    assert 0 < fast.fidelity_estimate < 1 and fast.exact_from is None
+    assert engine.generate(prompt, max_new_tokens=4, strategy="full").fidelity_estimate == 0.0
+    prefix = engine.generate(prompt, max_new_tokens=4, strategy="prefix", write_back=False)
+    assert prefix.fidelity_estimate == 0.0 and prefix.exact_from is None  # exact hits: nothing to guard

@@ -1,0 +1,386 @@
+"""RedisStore (the shared tier) against a real redis-server: round trips, sharing between stores, engines and
+processes, values that must not be served, and a server that goes away."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from kvboost_rag import EngineConfig, StoreConfig
+from kvboost_rag.config import ConfigError
+from kvboost_rag.store.entries import StoreIntegrityWarning, entry_bytes
+from kvboost_rag.store.memory import MemoryStore
+from kvboost_rag.store.quant import StoredEntry, encode_entry
+from kvboost_rag.store.redis import RedisStore, StoreUnavailableWarning
+from kvboost_rag.store.tiered import TieredStore, make_store
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+FP = "0123456789abcdef" + "a" * 16  # an engine's fingerprint is hex; keys use its first 16 characters
+FOREIGN_FP = "0123456789abcdef" + "b" * 16  # another model whose keys share the namespace
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- a redis-server of our own ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(folder: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A redis-server on 127.0.0.1 that persists nothing, and its URL, once it answers PING."""
+    if not Path(REDIS_SERVER).is_file():
+        pytest.skip(f"redis-server is not installed ({REDIS_SERVER} missing), so the Redis tier is not tested")
+    for _ in range(3):  # a free port may be taken before the server binds it: try another
+        chosen = port or _free_port()
+        proc = subprocess.Popen(
+            [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(chosen), "--save", "", "--appendonly", "no",
+             "--dir", str(folder)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        url = f"redis://127.0.0.1:{chosen}/0"
+        client = redis.Redis.from_url(url, socket_connect_timeout=1)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.ping()
+                client.close()
+                return proc, url
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+        _stop(proc)
+    raise RuntimeError(f"could not start {REDIS_SERVER}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    proc, url = _start_server(tmp_path_factory.mktemp("redis"))
+    yield url
+    _stop(proc)
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The shared server's URL, emptied before each test."""
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+    return redis_server
+
+
+@pytest.fixture
+def raw(redis_url):
+    """A plain client: what a redis-cli user (or another program) can do to the values."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def _expected(entry, bits, group=16):
+    """What any tier must return for `entry`: its stored form, decoded (what MemoryStore returns)."""
+    memory = MemoryStore(kv_bits=bits, group_size=group)
+    memory.put(entry)
+    return memory.get(entry.prefix_key)
+
+
+def _assert_same(got, want):
+    assert got is not None
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert got.keys.dtype == want.keys.dtype
+    assert (got.token_ids, got.start, got.prefix_key, got.content_key) == (
+        want.token_ids, want.start, want.prefix_key, want.content_key)
+
+
+# -- round trips and sharing ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_round_trip_equals_memory(redis_url, raw, store_make_entry, bits):
+    store = RedisStore(redis_url, FP, kv_bits=bits, group_size=16)
+    entry = store_make_entry(1, dtype=torch.bfloat16, start=11)
+    assert not store.contains(entry.prefix_key) and store.get(entry.prefix_key) is None
+    store.put(entry)
+    assert store.contains(entry.prefix_key)
+    _assert_same(store.get(entry.prefix_key), _expected(entry, bits))
+    _assert_same(store.find_content(entry.content_key), _expected(entry, bits))
+    # The layout other tools see: the entry under its prefix key, a pointer under its content key.
+    assert raw.exists(f"kvboost:{FP[:16]}:p:{entry.prefix_key.hex()}")
+    assert raw.get(f"kvboost:{FP[:16]}:c:{entry.content_key.hex()}") == entry.prefix_key.hex().encode()
+    assert store.stats()["hits"] == 2 and store.stats()["writes"] == 1
+
+
+def test_find_content_and_a_missing_target(redis_url, raw, store_make_entry):
+    store = RedisStore(redis_url, FP, kv_bits=8, group_size=16)
+    first, second = store_make_entry(1, content=7), store_make_entry(2, content=7)  # same tokens' key, two contexts
+    store.put(first)
+    store.put(second)
+    found = store.find_content(first.content_key)
+    assert found.content_key == first.content_key and found.prefix_key == second.prefix_key  # the last put
+    assert store.find_content(store_make_entry(3).content_key) is None
+    # Evicted by maxmemory (or removed): the pointer leads nowhere, which is a miss, not an error; it is dropped.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        raw.delete(store.entry_key(second.prefix_key))
+        assert store.find_content(first.content_key) is None
+    assert not raw.exists(store.pointer_key(first.content_key))
+    assert store.contains(first.prefix_key)  # the other context is still there, by its prefix key
+    store.remove(first.prefix_key)
+    assert not store.contains(first.prefix_key) and store.get(first.prefix_key) is None
+
+
+def test_two_stores_share_entries(redis_url, store_make_entry):
+    writer = RedisStore(redis_url, FP, kv_bits=4, group_size=16)
+    reader = RedisStore(redis_url, FP, kv_bits=16)  # written at 4 bits: served at 4 bits, as stored
+    entries = [store_make_entry(i) for i in range(3)]
+    for entry in entries:
+        writer.put(entry)
+    for entry in entries:
+        assert reader.contains(entry.prefix_key)
+        _assert_same(reader.get(entry.prefix_key), _expected(entry, 4))
+        _assert_same(reader.find_content(entry.content_key), _expected(entry, 4))
+    assert RedisStore(redis_url, "f" * 32).contains(entries[0].prefix_key) is False  # another model's namespace
+
+
+def test_another_process_writes_and_this_one_reads(redis_url, store_make_entry):
+    code = f"""
+import sys
+sys.path[:0] = [{str(REPO)!r}, {str(Path(__file__).parent)!r}]
+import torch
+from conftest import _make_entry
+from kvboost_rag.store.redis import RedisStore
+store = RedisStore({redis_url!r}, {FP!r}, kv_bits=4, group_size=16)
+for i in range(3):
+    store.put(_make_entry(i, dtype=torch.bfloat16))
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    store = RedisStore(redis_url, FP, kv_bits=4, group_size=16)
+    for i in range(3):
+        entry = store_make_entry(i, dtype=torch.bfloat16)
+        _assert_same(store.get(entry.prefix_key), _expected(entry, 4))
+        _assert_same(store.find_content(entry.content_key), _expected(entry, 4))
+
+
+def test_threads_share_one_store(redis_url, store_make_entry):
+    store = RedisStore(redis_url, FP, kv_bits=8, group_size=16)
+    entries = [store_make_entry(i, S=9) for i in range(24)]
+    errors = []
+
+    def work(part):
+        try:
+            for entry in part:
+                store.put(entry)
+                _assert_same(store.get(entry.prefix_key), _expected(entry, 8))
+                assert store.find_content(entry.content_key) is not None
+        except Exception as e:  # reported below: an assertion in a thread would be lost
+            errors.append(e)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads = [threading.Thread(target=work, args=(entries[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors and store.stats()["writes"] == 24
+
+
+# -- values that must not be served ------------------------------------------------------------------
+
+
+def test_a_foreign_fingerprint_is_never_served(redis_url, raw, store_make_entry):
+    entry = store_make_entry(1)
+    RedisStore(redis_url, FOREIGN_FP).put(entry)  # same namespace, another model: only the value's header tells
+    store = RedisStore(redis_url, FP)
+    with pytest.warns(StoreIntegrityWarning, match="fingerprint") as record:
+        assert store.get(entry.prefix_key) is None
+    assert store.entry_key(entry.prefix_key) in str(record[0].message)
+    assert not raw.exists(store.entry_key(entry.prefix_key)) and not store.contains(entry.prefix_key)
+    assert store.find_content(entry.content_key) is None  # its pointer now leads nowhere
+    store.put(entry)
+    _assert_same(store.get(entry.prefix_key), _expected(entry, 16))
+
+
+def _truncate(value, raw, key):
+    raw.set(key, value[: len(value) // 2])
+
+
+def _flip_last_bytes(value, raw, key):
+    raw.setrange(key, len(value) - 3, bytes(b ^ 0xFF for b in value[-3:]))  # tensor bytes, not the header
+
+
+def _garbage(value, raw, key):
+    raw.set(key, b"not a kv entry")
+
+
+def _empty(value, raw, key):
+    raw.set(key, b"")
+
+
+@pytest.mark.parametrize(("damage", "problem"), [
+    (_truncate, "unreadable"), (_flip_last_bytes, "checksum"), (_garbage, "unreadable"), (_empty, "unreadable"),
+])
+def test_a_damaged_value_is_a_miss_warned_and_deleted(redis_url, raw, store_make_entry, damage, problem):
+    store = RedisStore(redis_url, FP, kv_bits=4, group_size=16)
+    entry = store_make_entry(1)
+    store.put(entry)
+    key = store.entry_key(entry.prefix_key)
+    damage(raw.get(key), raw, key)
+    with pytest.warns(StoreIntegrityWarning, match=problem) as record:
+        assert store.get(entry.prefix_key) is None
+    assert len(record) == 1 and key in str(record[0].message) and "recomputed" in str(record[0].message)
+    assert not raw.exists(key) and not store.contains(entry.prefix_key)
+    store.put(entry)  # healed
+    _assert_same(store.get(entry.prefix_key), _expected(entry, 4))
+    assert store.stats()["bad"] == 1
+
+
+def test_inconsistent_values_are_not_served(redis_url, raw, store_make_entry):
+    store = RedisStore(redis_url, FP, group_size=16)
+    a, b, c = store_make_entry(1), store_make_entry(2), store_make_entry(3)
+    for entry in (a, b):
+        store.put(entry)
+    # b's value under a's key (prefix key mismatch), c's value with a token id short (a checksum that fits)
+    raw.set(store.entry_key(a.prefix_key), raw.get(store.entry_key(b.prefix_key)))
+    stored = encode_entry(c, 16, 16)
+    short = StoredEntry(stored.token_ids[:-1], stored.start, stored.prefix_key, stored.content_key, stored.dtype,
+                        raw=stored.raw)
+    raw.set(store.entry_key(c.prefix_key), entry_bytes(short, FP))
+    with pytest.warns(StoreIntegrityWarning, match="prefix key"):
+        assert store.get(a.prefix_key) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # warned once per store; the rest are logged
+        assert store.get(c.prefix_key) is None
+    assert not raw.exists(store.entry_key(a.prefix_key)) and not raw.exists(store.entry_key(c.prefix_key))
+    # A pointer that is no prefix key, or leads to an entry with other tokens, is dropped as well.
+    raw.set(store.pointer_key(a.content_key), b"\xffnot hex")
+    raw.set(store.pointer_key(c.content_key), b.prefix_key.hex())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert store.find_content(a.content_key) is None and store.find_content(c.content_key) is None
+    assert not raw.exists(store.pointer_key(a.content_key)) and not raw.exists(store.pointer_key(c.content_key))
+    assert store.stats()["bad"] == 4
+    _assert_same(store.get(b.prefix_key), _expected(b, 16))  # its own key still serves it
+
+
+# -- a server that goes away ------------------------------------------------------------------------
+
+
+def test_a_killed_server_is_a_miss_and_a_skipped_write(tmp_path, store_make_entry):
+    proc, url = _start_server(tmp_path)
+    try:
+        store = TieredStore(MemoryStore(kv_bits=8, group_size=16), redis=RedisStore(url, FP, kv_bits=8, group_size=16))
+        a, b = store_make_entry(1), store_make_entry(2)
+        store.put(a)
+        _stop(proc)
+        started = time.monotonic()
+        with pytest.warns(StoreUnavailableWarning, match="cannot read from the Redis store") as record:
+            assert store.redis.get(a.prefix_key) is None
+            store.put(b)  # in memory; Redis skipped; logged, not warned again
+            assert not store.redis.contains(b.prefix_key)
+            assert store.find_content(store_make_entry(3).content_key) is None
+            _assert_same(store.get(b.prefix_key), _expected(b, 8))  # the request goes on from memory
+            store.remove(a.prefix_key)
+        assert len(record) == 1 and url in str(record[0].message)
+        assert time.monotonic() - started < 5  # refused connections fail fast, without backoff
+        assert store.redis.stats()["errors"] >= 4
+        # Back up (empty: it kept nothing): writes go through again, and a later outage warns again.
+        proc, _ = _start_server(tmp_path, port=int(url.rsplit(":", 1)[1].split("/")[0]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            store.put(b)
+            assert store.redis.contains(b.prefix_key)
+        _stop(proc)
+        with pytest.warns(StoreUnavailableWarning, match="cannot write to the Redis store"):
+            store.put(a)
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+
+
+# -- wiring: config, tiers, engines -------------------------------------------------------------------
+
+
+def test_config_checks_the_url():
+    for url in ("redis://localhost:6379/0", "rediss://cache:6380", "unix:///run/redis.sock"):
+        assert StoreConfig(redis_url=url).redis_url == url
+    for bad in ("localhost:6379", "http://localhost:6379", 6379):
+        with pytest.raises(ConfigError, match="redis://host:6379/0") as info:
+            StoreConfig(redis_url=bad)
+        assert info.value.field == "redis_url"
+    store = RedisStore("redis://kv:secret@127.0.0.1:1/0", FP)  # made without connecting; messages hide the password
+    assert store.url == "redis://kv:***@127.0.0.1:1/0" and "secret" not in str(store.stats())
+
+
+def test_make_store_puts_redis_behind_memory_and_disk(redis_url, tmp_path, store_make_entry):
+    config = StoreConfig(disk_dir=tmp_path / "a", redis_url=redis_url, kv_bits=8, group_size=16)
+    store = make_store(config, FP)
+    assert store.behind == [store.disk, store.redis]
+    entry = store_make_entry(1)
+    store.put(entry)  # write-through: every tier has it
+    assert store.memory.contains(entry.prefix_key) and store.disk.contains(entry.prefix_key)
+    assert store.redis.contains(entry.prefix_key)
+    # Another machine: its own memory and disk, the same Redis. A hit is promoted into both.
+    other = make_store(StoreConfig(disk_dir=tmp_path / "b", redis_url=redis_url, kv_bits=8, group_size=16), FP)
+    _assert_same(other.find_content(entry.content_key), _expected(entry, 8))
+    assert other.memory.contains(entry.prefix_key) and other.disk.contains(entry.prefix_key)
+    assert other.stats()["redis"]["hits"] == 1
+    other.memory.remove(entry.prefix_key)
+    _assert_same(other.get(entry.prefix_key), _expected(entry, 8))  # from disk now
+    assert other.stats()["disk"]["hits"] == 1 and other.stats()["redis"]["hits"] == 1
+    assert make_store(StoreConfig(), FP).redis is None
+
+
+def test_without_the_redis_client(monkeypatch):
+    # Nothing imports the client when kvboost_rag.store is imported: only a RedisStore being made does.
+    module = ast.parse((REPO / "kvboost_rag" / "store" / "redis.py").read_text())
+    top_level = [node for stmt in module.body for node in ast.walk(stmt)
+                 if isinstance(node, (ast.Import, ast.ImportFrom)) and not _inside_function(stmt, node)]
+    imported = {alias.name for node in top_level if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in top_level if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert not {name for name in imported if name == "redis" or name.startswith("redis.")}
+    monkeypatch.setitem(sys.modules, "redis", None)  # what `import redis` does when it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'kvboost-rag\[redis\]'"):
+        RedisStore("redis://localhost:6379/0", FP)
+    assert make_store(StoreConfig(), FP).redis is None  # everything else works without it
+
+
+def _inside_function(stmt: ast.stmt, node: ast.AST) -> bool:
+    return any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in ast.walk(f) for f in ast.walk(stmt))
+
+
+@pytest.mark.parametrize("strategy", ["naive", "cacheblend"])
+def test_engines_share_documents_through_redis(redis_url, make_tiny_engine, docs, rag_prompt, strategy):
+    config = EngineConfig(store=StoreConfig(redis_url=redis_url))
+    prompt = rag_prompt(docs, "Who founded the brewery?")
+    first = make_tiny_engine(config)
+    first.ingest(docs)
+    want = first.prefill(prompt, strategy, write_back=False)
+    # Another process: fresh memory, the same Redis. Its ingest finds every chunk stored and computes none.
+    second = make_tiny_engine(config)
+    assert second.fingerprint == first.fingerprint and len(second.store.memory) == 0
+    second.ingest(docs)
+    assert second.counters["documents_stored"] == len(docs) and second.counters["documents_computed"] == 0
+    assert len(second.store.memory) == 0  # contains() asked Redis; nothing was read yet
+    got = second.prefill(prompt, strategy, write_back=False)
+    assert got.reused_tokens == want.reused_tokens > 0
+    assert torch.equal(got.logits, want.logits)
+    assert second.store.stats()["redis"]["hits"] > 0

@@ -1,0 +1,280 @@
+"""The OpenAI-compatible server (kvboost_rag.server), driven over real HTTP by the real openai client.
+
+One uvicorn server per module, on a free port of 127.0.0.1 in a background thread, over one tiny
+random-weight engine (tests/conftest.py's make_tiny_engine, built once for the module).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvboost_rag import EngineConfig, KVBoost
+from kvboost_rag.models import LoadedModel
+from kvboost_rag.server import create_app
+
+MODEL = "tiny-kvboost"
+QUESTION = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Which city has the oldest observatory?"}]
+GREEDY = dict(temperature=0, max_tokens=6)
+
+
+def _tiny_model():
+    """tests/conftest.py's tiny random Llama, the model behind make_tiny_engine. That fixture is
+    function-scoped (one server per module needs one engine per module), and tests/conftest.py cannot be
+    imported by name (`conftest` is tests/unit/conftest.py here): loaded by path."""
+    spec = importlib.util.spec_from_file_location("kvboost_tests_conftest", Path(__file__).parents[1] / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine(bundled_tokenizer):
+    # What make_tiny_engine() makes: the tiny model, the real tokenizer, a store of its own.
+    engine = KVBoost(LoadedModel(_tiny_model(), bundled_tokenizer, "tiny-random-llama", "seed0"), EngineConfig())
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no other process can take it meanwhile
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name=MODEL), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def _chat(client, messages=QUESTION, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=messages, **{**GREEDY, **kwargs})
+
+
+# ---- answers -------------------------------------------------------------------------------------
+
+
+def test_models_and_health(client, base_url):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok", "model": MODEL}
+
+
+@pytest.mark.parametrize("strategy", ["full", "cacheblend"])
+def test_chat_is_the_engines_answer(client, engine, strategy):
+    out = _chat(client, extra_body={"strategy": strategy})
+    expected = engine.generate(QUESTION, strategy=strategy, max_new_tokens=GREEDY["max_tokens"])
+    assert out.object == "chat.completion" and out.model == MODEL
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected.text
+    assert out.choices[0].finish_reason == expected.finish_reason
+    assert out.usage.prompt_tokens == expected.prompt_tokens
+    assert out.usage.completion_tokens == expected.generated_tokens
+    assert out.usage.total_tokens == expected.prompt_tokens + expected.generated_tokens
+    assert out.kvboost["strategy"] == strategy
+    assert out.kvboost["ttft_ms"] > 0
+    assert out.kvboost["reused_tokens"] + out.kvboost["recomputed_tokens"] == out.usage.prompt_tokens
+
+
+def test_strategy_defaults_to_the_engines_and_is_honoured(client):
+    assert _chat(client).kvboost["strategy"] == "cacheblend"
+    for strategy in ("naive", "prefix"):
+        assert _chat(client, extra_body={"strategy": strategy}).kvboost["strategy"] == strategy
+
+
+def test_max_tokens_bounds_the_answer(client):
+    out = _chat(client, max_tokens=3)
+    old = _chat(client, max_tokens=None, max_completion_tokens=3)  # the newer name, the same bound
+    assert out.usage.completion_tokens == old.usage.completion_tokens <= 3
+    assert out.choices[0].message.content == old.choices[0].message.content
+    if out.choices[0].finish_reason == "length":
+        assert out.usage.completion_tokens == 3
+
+
+def test_stop_cuts_the_answer_as_the_engine_does(client, engine):
+    full = engine.generate(QUESTION, strategy="full", max_new_tokens=12).text
+    stop = full.strip()[4:7]
+    assert stop, f"the tiny model's answer is too short to cut: {full!r}"
+    expected = engine.generate(QUESTION, strategy="full", max_new_tokens=12, stop=[stop]).text
+    assert stop not in expected and full.startswith(expected)
+    for given in (stop, [stop]):  # OpenAI takes one string or a list
+        out = _chat(client, max_tokens=12, stop=given, extra_body={"strategy": "full"})
+        assert out.choices[0].message.content == expected
+        assert out.choices[0].finish_reason == "stop"
+
+
+def test_streamed_chat_is_the_whole_answer(client):
+    whole = _chat(client, max_tokens=8, extra_body={"strategy": "full"})
+    chunks = list(_chat(client, max_tokens=8, stream=True, stream_options={"include_usage": True},
+                        extra_body={"strategy": "full"}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finish] == [whole.choices[0].finish_reason]
+    assert finish[0].kvboost["strategy"] == "full"
+    # include_usage: one last chunk with no choices and the usage, null on every chunk before it
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_without_usage_sends_none(client):
+    chunks = list(_chat(client, stream=True))
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert all(c.usage is None for c in chunks)
+
+
+def test_text_completion_is_the_engines_answer(client, engine):
+    prompt = "The observatory on the mountain"
+    expected = engine.generate(prompt, strategy="full", max_new_tokens=6)
+    out = client.completions.create(model=MODEL, prompt=prompt, extra_body={"strategy": "full"}, **GREEDY)
+    assert out.object == "text_completion"
+    assert out.choices[0].text == expected.text
+    assert out.usage.prompt_tokens == expected.prompt_tokens
+    assert out.usage.completion_tokens == expected.generated_tokens
+    streamed = list(client.completions.create(model=MODEL, prompt=[prompt], stream=True,
+                                              extra_body={"strategy": "full"}, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+    assert streamed[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_documents_are_ingested_and_then_reused(client, engine, base_url, docs, rag_prompt):
+    reply = httpx.post(f"{base_url}/v1/documents", json={"documents": docs[:2]}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    ids = reply.json()["ids"]
+    assert ids == engine.ingest(docs[:2])  # idempotent: the ids of what the server stored
+    # naive reuses every ingested document found in the prompt as stored, so all their tokens count
+    out = _chat(client, rag_prompt(docs[:2], "Who founded the Halvard company?"), extra_body={"strategy": "naive"})
+    doc_tokens = sum(len(engine.document(text).token_ids) for text in docs[:2])
+    assert out.kvboost["reused_tokens"] >= doc_tokens > 0
+
+
+def test_client_disconnect_closes_the_engine_stream(client, engine, monkeypatch):
+    real_stream, steps, closed = engine.stream, [], threading.Event()
+
+    def spy(*args, **kwargs):
+        def pieces():
+            try:
+                for piece in real_stream(*args, **kwargs):
+                    steps.append(piece)
+                    yield piece
+            except GeneratorExit:
+                closed.set()
+                raise
+
+        return pieces()
+
+    monkeypatch.setattr(engine, "stream", spy)
+    stream = _chat(client, max_tokens=2000, stream=True, extra_body={"strategy": "full"})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    assert closed.wait(timeout=30), "the engine stream was not closed after the client went away"
+    assert len(steps) < 2000
+
+
+def test_concurrent_requests_each_get_their_own_answer(client):
+    # Steps of both requests interleave on the engine's worker; each answer stays what it is alone.
+    questions = [[{"role": "user", "content": f"Name a {thing}."}] for thing in ("river", "mountain", "city")]
+    alone = [_chat(client, q, extra_body={"strategy": "full"}).choices[0].message.content for q in questions]
+    answers = [None] * len(questions)
+
+    def ask(i):
+        stream = _chat(client, questions[i], stream=True, extra_body={"strategy": "full"})
+        answers[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert answers == alone
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def test_n_above_one_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, n=2)
+    assert e.value.param == "n" and "n=2" in e.value.message
+
+
+def test_unknown_strategy_is_refused_listing_the_known_ones(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, extra_body={"strategy": "magic"})
+    assert "unknown strategy 'magic'" in e.value.message
+    assert all(name in e.value.message for name in ("full", "naive", "cacheblend"))
+    with pytest.raises(openai.BadRequestError):  # streaming: refused before any event
+        _chat(client, stream=True, extra_body={"strategy": "magic"})
+
+
+def test_empty_and_too_long_prompts_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="", **GREEDY)
+    assert "empty prompt" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="word " * 5000, stream=True, **GREEDY)
+    assert "context window" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, messages=[])
+    assert e.value.param == "messages"
+
+
+def test_bad_sampling_values_name_the_request_field(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, max_tokens=0)
+    assert e.value.param == "max_tokens" and "max_tokens" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, top_p=0)
+    assert e.value.param == "top_p"
+
+
+def test_unsupported_options_are_refused_not_ignored(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, logprobs=True)
+    assert e.value.param == "logprobs"
+    assert _chat(client, logprobs=False, presence_penalty=0).choices  # their "off" values are fine
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=QUESTION, **GREEDY)
+    assert e.value.code == "model_not_found" and "gpt-9" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+def test_malformed_requests_get_openais_error_shape(base_url):
+    reply = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+    reply = httpx.post(f"{base_url}/v1/documents", json={"documents": [""]})
+    assert reply.status_code == 400 and "empty document" in reply.json()["error"]["message"]
+    reply = httpx.get(f"{base_url}/v1/nothing")
+    assert reply.status_code == 404 and reply.json()["error"]["type"] == "not_found_error"
