@@ -1,10 +1,11 @@
 """Calibration on the corpus: the drift maps and the fidelity guard's predictor, fitted in one pass.
 
 Run by `KVBoost.ingest` by itself once the engine knows MIN_DOCUMENTS documents, and again whenever the corpus
-has doubled since (so its cost stays a bounded share of ingestion: `prompts` full prefills and four repaired
-ones per prompt, shown in a progress bar); `KVBoost.calibrate` runs it on demand. Both results are saved next
-to the store's disk tier under the engine's fingerprint, and a file from another model, dtype, tokenizer or
-encoding is refused and fitted again (drift.load, fidelity.load).
+has doubled since and grown by REFIT_GROWTH documents, so its cost stays a bounded share of ingestion: per
+prompt, a full prefill and its greedy answer, and one repaired prefill teacher-forced on it, shown in a
+progress bar. `KVBoost.calibrate` runs it on demand. Both results are saved next to the store's disk tier
+under the engine's fingerprint, and a file from another model, dtype, tokenizer or encoding is refused and
+fitted again (drift.load, fidelity.load).
 
 Drives the engine through its public methods; the engine imports this module, not the other way round.
 """
@@ -21,6 +22,7 @@ from . import drift, fidelity
 from .assembly import APPROX
 
 MIN_DOCUMENTS = 8  # fewer documents than this make too few distinct prompts to fit on
+REFIT_GROWTH = 32  # a refit also needs this many new documents: 8 -> 16 changes the prompts drawn, not the fit
 PROMPTS = 8  # calibration prompts per fit: ~8 x 1.5k-token prompts, ~40 s fp32 on the bundled model
 PER_PROMPT = 8  # documents per calibration prompt: about what a retriever returns
 TOKENS = 16  # answer tokens per calibration prompt
@@ -31,7 +33,10 @@ def due(engine) -> bool:
     known = len(engine.documents)
     if known < MIN_DOCUMENTS:
         return False
-    return engine.predictor is None or known >= 2 * max(engine.predictor.documents, 1)
+    if engine.predictor is None:
+        return True
+    fitted = engine.predictor.documents
+    return known >= 2 * fitted and known - fitted >= REFIT_GROWTH
 
 
 def corpus_prompts(engine, texts: Sequence[str], count: int, per_prompt: int, seed: int = 0,

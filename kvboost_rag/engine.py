@@ -179,8 +179,8 @@ class KVBoost:
         """Precompute and store the KV of each document; returns their ids. Idempotent.
 
         With `calibrate` (None: EngineConfig.calibrate, True by default), once the engine knows enough documents,
-        and again whenever the corpus has doubled, the drift maps and the fidelity guard are fitted on it (see
-        calibrate.py)."""
+        and again whenever the corpus has doubled (by 32 documents at least), the drift maps and the fidelity
+        guard are fitted on it (see calibrate.py)."""
         calibrate = self.config.calibrate if calibrate is None else calibrate
         if isinstance(texts, str):
             raise TypeError("ingest takes a list of documents; wrap a single one: ingest([text])")

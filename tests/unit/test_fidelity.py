@@ -160,3 +160,18 @@ def test_every_answer_reports_its_estimate(calibrated):
     assert engine.generate(prompt, max_new_tokens=4, strategy="full").fidelity_estimate == 0.0
     prefix = engine.generate(prompt, max_new_tokens=4, strategy="prefix", write_back=False)
     assert prefix.fidelity_estimate == 0.0 and prefix.exact_from is None  # exact hits: nothing to guard
+
+
+def test_a_refit_waits_for_the_corpus_to_double_by_enough_documents():
+    from types import SimpleNamespace
+
+    from kvboost_rag.calibrate import REFIT_GROWTH, due
+
+    def engine(known, fitted):
+        predictor = None if fitted is None else fidelity.Predictor(0.0, -2.0, documents=fitted)
+        return SimpleNamespace(documents=range(known), predictor=predictor)
+
+    assert not due(engine(MIN_DOCUMENTS - 1, None)) and due(engine(MIN_DOCUMENTS, None))
+    assert not due(engine(2 * MIN_DOCUMENTS, MIN_DOCUMENTS))  # doubled, but by too few documents
+    assert due(engine(MIN_DOCUMENTS + REFIT_GROWTH, MIN_DOCUMENTS))
+    assert not due(engine(150, 100)) and due(engine(200, 100))
