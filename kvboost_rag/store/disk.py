@@ -28,7 +28,7 @@ from pathlib import Path
 import xxhash
 
 from kvboost_rag.config import check_file_mode
-from kvboost_rag.store.base import KVEntry, KVStore
+from kvboost_rag.store.base import KVEntry
 from kvboost_rag.store.entries import (
     FORMAT_VERSION,
     SUFFIX,
@@ -49,12 +49,12 @@ from kvboost_rag.store.files import (
     write_succeeded,
 )
 from kvboost_rag.store.folder import PruneReport, VerifyReport, file_kind, list_entry_files, prune_dir, verify_dir
-from kvboost_rag.store.quant import StoredEntry, decode_entry, encode_entry
+from kvboost_rag.store.quant import StoredEntry, StoredFormStore, encode_entry
 
 __all__ = ["DiskStore", "StoreIntegrityWarning", "entry_path"]
 
 
-class DiskStore(KVStore):
+class DiskStore(StoredFormStore):
     """Entries as files under `directory`, served only to the model with this `fingerprint`.
 
     Entries are written at `kv_bits` / `group_size`; a file written at other settings is still
@@ -104,14 +104,6 @@ class DiskStore(KVStore):
             if prefix_key.hex() in self._bad:
                 return False
         return entry_path(self.directory, prefix_key).is_file()
-
-    def get(self, prefix_key: bytes) -> KVEntry | None:
-        stored = self.get_stored(prefix_key)
-        return None if stored is None else decode_entry(stored)
-
-    def find_content(self, content_key: bytes) -> KVEntry | None:
-        stored = self.find_content_stored(content_key)
-        return None if stored is None else decode_entry(stored)
 
     def put(self, entry: KVEntry, *, pin: bool = False) -> None:
         # pin means nothing here: files are only removed by remove() and prune().

@@ -16,8 +16,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvboost_rag.store.base import KVEntry, KVStore
-from kvboost_rag.store.quant import StoredEntry, decode_entry, encode_entry
+from kvboost_rag.store.base import KVEntry
+from kvboost_rag.store.quant import StoredEntry, StoredFormStore, encode_entry
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class _Slot:
     last_access: int
 
 
-class MemoryStore(KVStore):
+class MemoryStore(StoredFormStore):
     """Entries in memory, quantized when kv_bits < 16.
 
     budget_bytes: None for no limit, 0 to keep nothing in memory (a disk tier alone). An unpinned entry
@@ -84,14 +84,6 @@ class MemoryStore(KVStore):
     def contains(self, prefix_key: bytes) -> bool:
         with self._lock:
             return prefix_key in self._slots
-
-    def get(self, prefix_key: bytes) -> KVEntry | None:
-        stored = self.get_stored(prefix_key)
-        return None if stored is None else decode_entry(stored)
-
-    def find_content(self, content_key: bytes) -> KVEntry | None:
-        stored = self.find_content_stored(content_key)
-        return None if stored is None else decode_entry(stored)
 
     def put(self, entry: KVEntry, *, pin: bool = False) -> None:
         self.put_stored(encode_entry(entry, self.kv_bits, self.group_size), pin=pin)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvboost_rag.store.base import KVEntry
+from kvboost_rag.store.base import KVEntry, KVStore
 
 SUPPORTED_BITS = (16, 8, 4)
 # float16 scales and zero points cannot describe values beyond this.
@@ -298,3 +298,22 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous() or t.untyped_storage().nbytes() != _tensor_bytes(t):
         return t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+class StoredFormStore(KVStore):
+    """A tier that keeps entries in their stored form (memory, disk, Redis): reads are its `get_stored` and
+    `find_content_stored`, decoded here once for all of them."""
+
+    def get_stored(self, prefix_key: bytes) -> StoredEntry | None:
+        raise NotImplementedError
+
+    def find_content_stored(self, content_key: bytes) -> StoredEntry | None:
+        raise NotImplementedError
+
+    def get(self, prefix_key: bytes) -> KVEntry | None:
+        stored = self.get_stored(prefix_key)
+        return None if stored is None else decode_entry(stored)
+
+    def find_content(self, content_key: bytes) -> KVEntry | None:
+        stored = self.find_content_stored(content_key)
+        return None if stored is None else decode_entry(stored)

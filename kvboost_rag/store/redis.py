@@ -36,10 +36,10 @@ import threading
 import warnings
 from urllib.parse import urlsplit, urlunsplit
 
-from kvboost_rag.store.base import KVEntry, KVStore
+from kvboost_rag.store.base import KVEntry
 from kvboost_rag.store.entries import BadEntryFile, StoreIntegrityWarning, entry_bytes, entry_from_bytes
 from kvboost_rag.store.files import StoreWriteWarning
-from kvboost_rag.store.quant import StoredEntry, decode_entry, encode_entry
+from kvboost_rag.store.quant import StoredEntry, StoredFormStore, encode_entry
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-class RedisStore(KVStore):
+class RedisStore(StoredFormStore):
     """Entries in the Redis at `url` (redis://, rediss:// or unix://), served only to the model with this
     `fingerprint`. Entries are written at `kv_bits` / `group_size`; one written at other settings (by
     another process) is served at its own precision. Thread-safe: the client's connection pool is, and
@@ -117,14 +117,6 @@ class RedisStore(KVStore):
         with self._reaching("read from"):
             found = bool(self._client.exists(self.entry_key(prefix_key)))
         return found
-
-    def get(self, prefix_key: bytes) -> KVEntry | None:
-        stored = self.get_stored(prefix_key)
-        return None if stored is None else decode_entry(stored)
-
-    def find_content(self, content_key: bytes) -> KVEntry | None:
-        stored = self.find_content_stored(content_key)
-        return None if stored is None else decode_entry(stored)
 
     def put(self, entry: KVEntry, *, pin: bool = False) -> None:
         # pin means nothing here: what Redis keeps is its maxmemory policy's business.
