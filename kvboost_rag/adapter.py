@@ -1,11 +1,15 @@
-"""The only module that knows transformers internals.
+"""The only module (with architectures.py, its per-family details) that knows transformers internals.
 
-It drives a Llama-family decoder layer by layer over our own `KVBuffers`, so that any subset of
-positions can be (re)computed against a cache assembled from stored chunks. Everything else in
-kvboost_rag speaks plain tensors: token ids, positions, hidden states [1, S, H], K/V [L, H_kv, S, D].
+It drives a RoPE decoder layer by layer over our own `KVBuffers`, so that any subset of positions can be
+(re)computed against a cache assembled from stored chunks. Everything else in kvboost_rag speaks plain
+tensors: token ids, positions, hidden states [1, S, H], K/V [L, H_kv, S, D].
 
-Tested with transformers 5.24 (the API moved in 5.x: the layers' cache keyword is `cache` from
-5.2x, `past_key_values` before; both are handled).
+Layers differ within one model: some slide over a window (Mistral, Qwen2, Gemma, Phi-3), some have no RoPE
+(SmolLM3), Gemma 3 rotates local and global layers with different bases. So masks are made per kind of
+layer and RoPE frames per layer; architectures.py says which layer is which.
+
+Tested with transformers 5.24 (the API moved in 5.x: the layers' cache keyword is `cache` from 5.2x,
+`past_key_values` before; both are handled, in `_cache_kw`).
 """
 
 from __future__ import annotations
@@ -15,31 +19,25 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
+from . import architectures as arch
+from .architectures import COMPOSABLE_ROPE, SUPPORTED_MODEL_TYPES, UnsupportedModelError
 from .kvcache import KVBuffers
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# RoPE variants whose rotation composes: R(a + b) = R(b) R(a), so stored keys can be moved.
-COMPOSABLE_ROPE = ("default", "linear", "llama3")
+__all__ = ["COMPOSABLE_ROPE", "SUPPORTED_MODEL_TYPES", "Masks", "ModelAdapter", "UnsupportedModelError"]
 
 
-class UnsupportedModelError(ValueError):
-    pass
+@dataclass(frozen=True)
+class Masks:
+    """Additive attention masks, one per kind of layer (architectures.FULL, SLIDING): [1, 1, Q, K] each, or None
+    where the kernel's own causal masking is exactly right (see ModelAdapter.run_layers)."""
 
+    by_kind: dict[str, torch.Tensor | None]
 
-def _rope_type(config) -> str:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return params.get("rope_type", params.get("type", "default"))
-
-
-def _max_context(config) -> int:
-    limit = int(getattr(config, "max_position_embeddings", 2048))
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = ("sliding_attention" in layer_types) or (
-        window is not None and getattr(config, "use_sliding_window", True) and config.model_type == "mistral")
-    # Our explicit masks are plain causal: past the window they would differ from the model's own.
-    return min(limit, int(window)) if sliding and window else limit
+    def rows(self, rows: torch.Tensor) -> Masks:
+        """The masks of the queries `rows` [Q'] (indices into Q). Only for masks from `causal_mask`."""
+        return Masks({kind: mask[:, :, rows] for kind, mask in self.by_kind.items()})
 
 
 @dataclass
@@ -47,29 +45,27 @@ class ModelAdapter:
     model: torch.nn.Module
 
     def __post_init__(self):
+        arch.check_supported(self.model)
         config = self.model.config
-        missing = [name for name in ("embed_tokens", "layers", "norm", "rotary_emb")
-                   if not hasattr(getattr(self.model, "model", None), name)]
-        if config.model_type not in SUPPORTED_MODEL_TYPES or missing or not hasattr(self.model, "lm_head"):
-            raise UnsupportedModelError(
-                f"model_type {config.model_type!r} is not supported: kvboost-rag drives Llama-family RoPE "
-                f"decoders ({', '.join(SUPPORTED_MODEL_TYPES)})"
-                + (f"; this model lacks model.{', model.'.join(missing)}" if missing else "")
-                + ". Use one of those architectures.")
-        # Our masks are passed to the attention kernel as they are: sdpa's contract.
-        self.model.set_attn_implementation("sdpa")
+        # Our masks are passed to the attention kernel as they are: sdpa's contract, and eager's (soft-capping).
+        self.attention = arch.attention_kernel(self.model)
+        self.model.set_attn_implementation(self.attention)
         self.model.eval()
         self.config = config
         self.inner = self.model.model
         self.layers = list(self.inner.layers)
+        self.layer_plan = arch.layer_plan(self.model)
         self.num_layers = len(self.layers)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.max_context = _max_context(config)
-        self.rope_type = _rope_type(config)
-        self.rope_composes = self.rope_type in COMPOSABLE_ROPE and getattr(
-            self.inner.rotary_emb, "attention_scaling", 1.0) == 1.0
+        # Masks see exactly the window a full prefill sees, so the context is the model's own.
+        self.max_context = int(getattr(config, "max_position_embeddings", 2048))
+        self.windows = {layer.attention: layer.window for layer in self.layer_plan}  # kind -> window (or None)
+        tables = arch.rope_tables(self.inner.rotary_emb)
+        self.rope_tables = {layer.rope: tables[layer.rope] for layer in self.layer_plan if layer.rope}  # those used
+        self.rope_composes = all(table.composes for table in self.rope_tables.values())
+        self.softcap = arch.logit_softcap(config)
         # The model's own RoPE half-rotation (x1, x2 -> -x2, x1): RoPE(x) = x * cos + rotate_half(x) * sin.
         self.rotate_half = sys.modules[type(self.layers[0]).__module__].rotate_half
         params = inspect.signature(type(self.layers[0]).forward).parameters
@@ -87,94 +83,157 @@ class ModelAdapter:
         return KVBuffers(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids: [S] -> hidden: [1, S, H]"""
+        """token_ids: [S] -> hidden: [1, S, H] (Gemma's embedding module applies its sqrt(H) scale itself)."""
         return self.inner.embed_tokens(token_ids.to(self.device)[None])
 
-    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [S] -> cos, sin: [1, S, D] in like's dtype."""
-        return self.inner.rotary_emb(like, positions.to(self.device)[None])
+    # ---- RoPE ------------------------------------------------------------------------------
 
-    def rotate_keys(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        """Move keys by `delta` positions. keys: [L, H_kv, S, D] -> same, a new tensor."""
+    def rope(self, positions: torch.Tensor, like: torch.Tensor,
+             table: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [S] -> cos, sin: [1, S, R] in like's dtype, from RoPE table `table` (by default the first
+        layer's; see architectures.Layer.rope). R: the rotated channels, the head dim or fewer."""
+        table = table or next((layer.rope for layer in self.layer_plan if layer.rope), arch.SHARED)
+        return arch.rope(self.inner.rotary_emb, positions.to(self.device), like, table)
+
+    def rope_frame(self, positions: torch.Tensor, layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos, sin at `positions` [S] for each of `layers`: [L', 1, S, R] fp32, or [1, 1, S, R] when they
+        all share one table. A layer without RoPE gets cos 1, sin 0: its keys stay as they are."""
+        chosen = self.layer_plan[layers]
+        probe = torch.empty(0, dtype=torch.float32, device=self.device)
+        tables = {layer.rope for layer in chosen}
+        frames = {table: self.rope(positions, probe, table) for table in tables if table is not None}
+        if len(tables) == 1 and None not in tables:
+            cos, sin = frames[chosen[0].rope]
+            return cos[None], sin[None]
+        like = next(iter(frames.values()))[0] if frames else probe.new_empty(1, positions.shape[0], self.head_dim)
+        identity = (torch.ones_like(like), torch.zeros_like(like))
+        cos, sin = zip(*(frames[layer.rope] if layer.rope else identity for layer in chosen), strict=True)
+        return torch.stack(cos), torch.stack(sin)
+
+    def apply_rope(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+                   fused: bool = True) -> torch.Tensor:
+        """Rotate `keys` [..., S, D] by a frame (cos, sin: [..., S, R], broadcast), or back when `inverse`: only the
+        first R channels turn (partial rotary), as the models' own apply_rotary_pos_emb does. Fused with addcmul by
+        default (drift.py runs it over every reused token of a request); `fused=False` rounds as the models do."""
+        r = cos.shape[-1]
+        turning = keys if r == keys.shape[-1] else keys[..., :r]
+        if fused:
+            turned = torch.addcmul(turning * cos, self.rotate_half(turning), sin, value=-1 if inverse else 1)
+        else:
+            turned = turning * cos + self.rotate_half(turning) * (-sin if inverse else sin)
+        return turned if r == keys.shape[-1] else torch.cat([turned, keys[..., r:]], dim=-1)
+
+    def check_rope_composes(self) -> None:
+        stuck = [t for t in self.rope_tables.values() if not t.composes]
+        if stuck:
+            raise UnsupportedModelError(
+                f"rope_type {stuck[0].rope_type!r} (attention scaling {stuck[0].attention_scaling:g}) does not "
+                "compose: stored keys cannot be moved to a new position (rotations compose for rope types "
+                f"{', '.join(COMPOSABLE_ROPE)} without scaling); use strategy 'full' or 'prefix' with this model.")
+
+    def rotate_keys(self, keys: torch.Tensor, delta: int, layers: slice = slice(None)) -> torch.Tensor:
+        """Move keys of `layers` by `delta` positions. keys: [L', H_kv, S, D] -> same, a new tensor."""
         if delta == 0:
             return keys
-        if not self.rope_composes:
-            raise UnsupportedModelError(
-                f"rope_type {self.rope_type!r} does not compose, so stored keys cannot be moved to a new "
-                "position; use strategy 'full' or 'prefix' with this model.")
-        probe = torch.empty(0, dtype=torch.float32, device=keys.device)
-        cos, sin = self.rope(torch.tensor([delta]), probe)  # [1, 1, D], fp32
-        keys32 = keys.float()
-        return (keys32 * cos[0] + self.rotate_half(keys32) * sin[0]).to(keys.dtype)
+        self.check_rope_composes()
+        cos, sin = self.rope_frame(torch.tensor([delta]), layers)  # [L' or 1, 1, 1, R], fp32
+        # RoPE is linear in the key: rotating the identity's rows gives the matrix that rotates any key by delta,
+        # [L' or 1, 1, D, D]. One fp32 matmul moves a chunk ten times faster than the elementwise form.
+        eye = torch.eye(self.head_dim, dtype=torch.float32, device=keys.device).expand(*cos.shape[:-2], -1, -1)
+        return torch.matmul(keys.float(), self.apply_rope(eye, cos, sin, fused=False)).to(keys.dtype)
 
-    def causal_mask(self, positions: torch.Tensor, attend_len: int, dtype: torch.dtype) -> torch.Tensor:
-        """Each query (at `positions` [Q]) sees the cache up to its own position: [1, 1, Q, attend_len].
+    # ---- masks and the forward -------------------------------------------------------------
 
-        Additive float mask: sdpa's CPU kernels run it faster than a boolean one."""
-        positions = positions.to(self.device)
-        visible = torch.arange(attend_len, device=self.device)[None, :] <= positions[:, None]
+    def causal_mask(self, positions: torch.Tensor, attend_len: int, dtype: torch.dtype) -> Masks:
+        """Each query (at `positions` [Q]) sees the cache up to its own position, and in a sliding layer only the
+        last `window` of those, as the model's own masks do: [1, 1, Q, attend_len] per kind of layer.
+
+        Additive float masks: sdpa's CPU kernels run them faster than boolean ones."""
+        return Masks({kind: self._mask(positions, attend_len, dtype, window) for kind, window in self.windows.items()})
+
+    def _mask(self, positions: torch.Tensor, attend_len: int, dtype: torch.dtype,
+              window: int | None) -> torch.Tensor:
+        positions = positions.to(self.device)[:, None]  # [Q, 1]
+        cached = torch.arange(attend_len, device=self.device)[None, :]  # [1, K]
+        visible = cached <= positions
+        if window is not None:
+            visible &= cached > positions - window
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
         return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers,
-                   layers: range, attend_len: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+                   layers: range, attend_len: int, mask: Masks | None = None) -> torch.Tensor:
         """Run `hidden` (the tokens at `positions`) through `layers`, writing their K/V into `cache`.
 
-        hidden: [1, Q, H]; positions: [Q] ascending. Each query attends to every cached position
-        up to and including its own (or as `mask`, from `causal_mask`, says); the cache must already
-        hold K/V for the other positions.
+        hidden: [1, Q, H]; positions: [Q] ascending. Each query attends to every cached position up to and
+        including its own, within its window in sliding layers (or as `mask`, from `causal_mask`, says); the
+        cache must already hold K/V for the other positions.
         """
-        positions = positions.to(self.device)
+        # Read the positions on the host (where the caller made them): no device sync per layer.
         q = positions.shape[0]
-        contiguous = bool(q == 0 or positions[-1] - positions[0] + 1 == q)
+        first, last = (int(positions[0]), int(positions[-1])) if q else (0, -1)
+        contiguous = q == 0 or last - first + 1 == q
+        positions = positions.to(self.device)
         if contiguous:
-            cache.write_positions, cache.write_start = None, int(positions[0]) if q else 0
+            cache.write_positions, cache.write_start = None, first
         else:
             cache.write_positions = positions
         cache.attend_len = attend_len
-        if mask is None and not (contiguous and int(positions[-1]) == attend_len - 1 and (q == attend_len or q == 1)):
-            mask = self.causal_mask(positions, attend_len, hidden.dtype)
-        # else: no mask is plain causal (sdpa's is_causal) or a single query that sees everything
+        if mask is None:
+            # No mask is sdpa's is_causal, or a single query that sees everything: right for a contiguous run
+            # ending the cache that is all of it or one token, unless a window cuts into what it attends to.
+            # Eager attention (soft-capping) has no causal mode: it always takes a mask.
+            plain = (self.attention == arch.GQA_SDPA and contiguous and last == attend_len - 1
+                     and (q == attend_len or q == 1))
+            mask = Masks({kind: None if plain and (window is None or attend_len <= window)
+                          else self._mask(positions, attend_len, hidden.dtype, window)
+                          for kind, window in self.windows.items()})
         return self._drive(hidden, positions, cache, layers, mask)
 
     def _drive(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers, layers: range,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """The decoder layers' own forward over `hidden`, with our cache and mask."""
-        position_embeddings = self.rope(positions, hidden)
-        kwargs = {self._cache_kw: cache, "attention_mask": mask, "position_ids": positions[None],
-                  "position_embeddings": position_embeddings, "use_cache": True}
+               mask: Masks) -> torch.Tensor:
+        """The decoder layers' own forward over `hidden`, with our cache and each layer's mask and RoPE table."""
+        tables = {self.layer_plan[i].rope for i in layers}
+        position_embeddings = {table: self.rope(positions, hidden, table) for table in tables if table is not None}
         for i in layers:
-            out = self.layers[i](hidden, **kwargs)
+            plan = self.layer_plan[i]
+            # A layer without RoPE ignores its position embeddings; it still takes some.
+            rope = position_embeddings.get(plan.rope) or next(iter(position_embeddings.values()), None)
+            out = self.layers[i](hidden, **{self._cache_kw: cache}, attention_mask=mask.by_kind[plan.attention],
+                                 position_ids=positions[None], position_embeddings=rope, use_cache=True)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
     def project_kv(self, layer: int, hidden: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V layer `layer` writes for its input `hidden` [1, Q, H] at `positions` [Q], without
-        running its attention or MLP: [1, H_kv, Q, D] each, the same operations as its attention module."""
+        """The K/V layer `layer` writes for its input `hidden` [1, Q, H] at `positions` [Q], without running its
+        attention or MLP: [1, H_kv, Q, D] each, the same operations as its attention module."""
         block = self.layers[layer]
-        attn = block.self_attn
-        normed = block.input_layernorm(hidden)
-        shape = (1, hidden.shape[1], -1, self.head_dim)
-        keys = attn.k_proj(normed).view(shape)
-        if getattr(attn, "k_norm", None) is not None:  # qwen3
-            keys = attn.k_norm(keys)
-        keys, values = keys.transpose(1, 2), attn.v_proj(normed).view(shape).transpose(1, 2)
-        cos, sin = self.rope(positions, hidden)
-        cos, sin = cos[:, None], sin[:, None]
-        return keys * cos + self.rotate_half(keys) * sin, values
+        keys, values = arch.project_kv(block.self_attn, block.input_layernorm(hidden), self.head_dim)
+        table = self.layer_plan[layer].rope
+        if table is None:  # SmolLM3's NoPE layers
+            return keys, values
+        cos, sin = self.rope(positions, hidden, table)
+        # Unfused, as the attention module rotates them: in bf16 too these are the layer's own K bit for bit.
+        return self.apply_rope(keys, cos[:, None], sin[:, None], fused=False), values
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [1, S, H] -> logits: [S, V] in fp32."""
-        return self.model.lm_head(self.inner.norm(hidden))[0].float()
+        """hidden: [1, S, H] -> logits: [S, V] in fp32 (soft-capped in the model's dtype, as its forward does)."""
+        logits = self.model.lm_head(self.inner.norm(hidden))[0]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
 
     @torch.inference_mode()
     def reference_kv(self, token_ids: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own forward over `token_ids` alone at positions start..start+S-1.
 
-        Returns keys, values: [L, H_kv, S, D], straight from transformers' DynamicCache."""
+        Returns keys, values: [L, H_kv, S, D], straight from transformers' DynamicCache: one made without the
+        config, whose layers all keep every position (the config's would keep only a window in sliding layers;
+        the masks are the model's own either way)."""
         positions = torch.arange(start, start + token_ids.shape[0], device=self.device)[None]
-        out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=positions, use_cache=True)
+        out = self.model(input_ids=token_ids.to(self.device)[None], position_ids=positions, use_cache=True,
+                         **{self._cache_kw: DynamicCache()})
         # The output's cache is `cache` from transformers 5.2x (`past_key_values` before, now a warning).
         layers = (out.cache if "cache" in out else out.past_key_values).layers
         return torch.stack([layer.keys[0] for layer in layers]), torch.stack([layer.values[0] for layer in layers])

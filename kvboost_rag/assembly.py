@@ -224,7 +224,8 @@ def assemble(plan: Plan, adapter: ModelAdapter, capacity: int, drift: DriftMaps 
         if chunk.source == APPROX and drift is not None:
             place(adapter, cache, chunk.entry, chunk.start, drift, reused)
             reused += 1
-        else:
-            keys = adapter.rotate_keys(chunk.entry.keys, chunk.start - chunk.entry.start)  # [L, H_kv, S, D]
-            cache.write(chunk.start, keys, chunk.entry.values)
+        else:  # stored in host memory: moved to the model's device (a no-op on the CPU), then rotated there
+            keys = chunk.entry.keys.to(adapter.device, non_blocking=True)  # [L, H_kv, S, D]
+            keys = adapter.rotate_keys(keys, chunk.start - chunk.entry.start)
+            cache.write(chunk.start, keys, chunk.entry.values.to(adapter.device, non_blocking=True))
     return cache

@@ -2,10 +2,10 @@
 
 Run by `KVBoost.ingest` by itself once the engine knows MIN_DOCUMENTS documents, and again whenever the corpus
 has doubled since and grown by REFIT_GROWTH documents, so its cost stays a bounded share of ingestion: per
-prompt, a full prefill and its greedy answer, and one repaired prefill teacher-forced on it, shown in a
-progress bar. `KVBoost.calibrate` runs it on demand. Both results are saved next to the store's disk tier
-under the engine's fingerprint, and a file from another model, dtype, tokenizer or encoding is refused and
-fitted again (drift.load, fidelity.load).
+prompt, one full prefill (the drift maps' truth) and its greedy answer, then one repaired prefill teacher-forced
+on it, shown in a progress bar. `KVBoost.calibrate` runs it on demand. Both results are saved next to the
+store's disk tier under the engine's fingerprint, and a file from another model, dtype, tokenizer or encoding is
+refused and fitted again (drift.load, fidelity.load).
 
 Drives the engine through its public methods; the engine imports this module, not the other way round.
 """
@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from . import drift, fidelity
 from .assembly import APPROX
+from .generation import SamplingParams
 
 MIN_DOCUMENTS = 8  # fewer documents than this make too few distinct prompts to fit on
 REFIT_GROWTH = 32  # a refit also needs this many new documents: 8 -> 16 changes the prompts drawn, not the fit
@@ -93,14 +94,23 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
     bar = tqdm(total=2 * len(laid_out), desc="calibrating", unit="prompt",
                disable=not progress if progress is not None else None)
     with engine.lock:
-        if engine.config.repair.drift:
-            engine.set_drift(drift.fit(engine.adapter, drift_samples(engine, laid_out), drift.PLACES, progress=False))
-        bar.update(len(laid_out))
+        # Pass 1, per prompt: one full prefill gives both the drift maps' truth (its K/V) and the greedy answer.
+        sums = drift.NormalEquations.empty(engine.adapter, drift.PLACES) if engine.config.repair.drift else None
+        answers = []
+        for prompt in laid_out:
+            full = engine.prefill(prompt, "full", max_new_tokens=TOKENS, write_back=False)
+            if sums is not None:
+                reused = [c for c in engine.plan(prompt, "naive").chunks if c.source == APPROX]
+                drift.add_prompt(engine.adapter, sums, reused, *full.cache.span(0, full.prompt_tokens))
+            *_, last = engine.stream_from(full, SamplingParams(TOKENS))
+            answers.append(list(last.result.token_ids))
+            bar.update(1)
+        if sums is not None and sums.prompts:
+            engine.set_drift(drift.solve(sums))
+        # Pass 2, with the maps: the default strategy's cache teacher-forced on each full answer.
         unguarded = dataclasses.replace(engine.config.repair, fidelity="fast")
         margins, flipped = [], []
-        for prompt in laid_out:
-            full = engine.generate(prompt, max_new_tokens=TOKENS, strategy="full", write_back=False)
-            answer = list(full.token_ids)
+        for prompt, answer in zip(laid_out, answers, strict=True):
             if answer:
                 reused = engine.prefill(prompt, "cacheblend", max_new_tokens=TOKENS, write_back=False,
                                         repair=unguarded)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from pathlib import Path
@@ -25,6 +26,10 @@ FIDELITY_LEVELS = ("fast", "balanced", "strict")
 # repeated here so that a config can be checked without importing torch; a unit test keeps them equal.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 KV_BITS = (16, 8, 4)
+# Where the model runs (EngineConfig.device): "auto" (CUDA when available, else the CPU), "cpu", "cuda" or
+# "cuda:N". Only the form is checked here (no torch); whether the machine has that device, at load (models.py).
+DEVICE_FORMS = ("auto", "cpu", "cuda", "cuda:N")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # torch.Generator.manual_seed takes seeds below this.
 SEED_LIMIT = 2**64
 
@@ -79,6 +84,14 @@ def check_file_mode(file_mode: int) -> int:
                                        f"owner read and write, such as 0o600 (owner only), 0o640 (and the group) "
                                        f"or 0o644 (everyone); got {shown}")
     return file_mode
+
+
+def check_device(device: str) -> str:
+    """The device's name (EngineConfig.device), or a ConfigError listing the forms it may take."""
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise ConfigError("device", f"unknown device {device!r}; use one of {', '.join(DEVICE_FORMS)} (N: a GPU's "
+                                    "index, as torch numbers them)")
+    return device
 
 
 def check_doc_context(doc_context: str) -> str:
@@ -199,8 +212,17 @@ class EngineConfig:
     # Ingestion fits the drift maps and the fidelity guard on the corpus by itself (calibrate.py); False: only
     # when KVBoost.calibrate is called (a benchmark of a method without them, a test of something else).
     calibrate: bool = True
+    # Ingestion encodes documents side by side, this many (padded) tokens per forward at most: bf16 and large
+    # fp32 matmuls run faster on thousands of rows than on one document's hundreds. Memory grows with it.
+    ingest_batch_tokens: int = 4096
+    # The model, the assembled cache and the repair run there; the store's tiers keep their KV in host memory
+    # (or on disk, or in Redis), and a request's stored chunks are copied to the device as they are assembled.
+    device: str = knob("auto", "where the model runs: 'auto' (CUDA when available, else the CPU), 'cpu', 'cuda' "
+                               "or 'cuda:N'; a model handed to KVBoost already loaded stays where it is under 'auto'")
 
     def __post_init__(self):
+        check_int(self, "ingest_batch_tokens", 1, hint="tokens per ingestion forward")
+        check_device(self.device)
         if not isinstance(self.calibrate, bool):
             raise ConfigError("calibrate", f"EngineConfig.calibrate must be True or False, got {self.calibrate!r}")
         if self.dtype not in DTYPE_NAMES:

@@ -49,6 +49,10 @@ class DriftMaps:
     values: torch.Tensor  # [P, L, H_kv, D + 1, D] fp32
     prompts: int  # calibration prompts fitted on
 
+    def to(self, device: torch.device) -> DriftMaps:
+        """The maps on `device` (the model's), where `place` uses them."""
+        return DriftMaps(self.keys.to(device), self.values.to(device), self.prompts)
+
     @property
     def places(self) -> int:
         """How many maps per layer and head: one for each of the first P - 1 reused chunks of a prompt, in
@@ -66,20 +70,19 @@ def _affine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.baddbmm(w[:, -1:], x.float(), w[:, :-1])
 
 
-def _frame(adapter, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos, sin for positions start .. start + count - 1: [count, D] fp32."""
-    cos, sin = adapter.rope(torch.arange(start, start + count), torch.empty(0, dtype=torch.float32))
-    return cos[0], sin[0]
+def _frame(adapter, start: int, count: int, layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos, sin for positions start .. start + count - 1, per layer (a model's layers may differ: local
+    and global bases, layers without RoPE): [L' or 1, 1, count, R] fp32, broadcast over heads."""
+    return adapter.rope_frame(torch.arange(start, start + count), layers)
 
 
-# RoPE at per-token positions (the adapter's rotate_keys moves every token by one shift), fused with addcmul:
-# these run over every reused token of a request.
+# RoPE at per-token positions (the adapter's rotate_keys moves every token by one shift).
 def _unrotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(keys * cos, adapter.rotate_half(keys), sin, value=-1)  # RoPE's inverse: angle -> -angle
+    return adapter.apply_rope(keys, cos, sin, inverse=True)  # RoPE's inverse: angle -> -angle
 
 
 def _rotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(keys * cos, adapter.rotate_half(keys), sin)
+    return adapter.apply_rope(keys, cos, sin)
 
 
 def place(adapter, cache, entry, start: int, maps: DriftMaps, index: int = 0) -> None:
@@ -88,16 +91,18 @@ def place(adapter, cache, entry, start: int, maps: DriftMaps, index: int = 0) ->
     assembled, all mapped layers in one batched product over contiguous memory, written straight into the
     cache: gathering the reused positions from the assembled cache afterwards, layer by layer, cost 2.6 times
     as much (research/notebook.md, round 5)."""
-    keys, values = entry.keys, entry.values  # [L, H_kv, S, D]
+    device = cache.all_keys.device  # stored K/V live in host memory; the maps are on the model's device
+    keys = entry.keys.to(device, non_blocking=True)  # [L, H_kv, S, D]
+    values = entry.values.to(device, non_blocking=True)
     layers, heads, count, dim = keys.shape
     slot = _slot(index, maps.places)
     key_maps, value_maps = maps.keys[slot], maps.values[slot]
     cached_keys, cached_values = cache.span(start, start + count)  # views: [L, H_kv, S, D]
-    cached_keys[0] = adapter.rotate_keys(keys[:1], start - entry.start)[0]
+    cached_keys[0] = adapter.rotate_keys(keys[:1], start - entry.start, slice(0, 1))[0]
     cached_values[0] = values[0]
-    unrotated = _unrotate(adapter, keys[1:].float(), *_frame(adapter, entry.start, count)).flatten(0, 1)
-    mapped = _affine(unrotated, key_maps[1:].flatten(0, 1)).view(layers - 1, heads, count, dim)
-    cached_keys[1:] = _rotate(adapter, mapped, *_frame(adapter, start, count))
+    unrotated = _unrotate(adapter, keys[1:].float(), *_frame(adapter, entry.start, count, slice(1, None)))
+    mapped = _affine(unrotated.flatten(0, 1), key_maps[1:].flatten(0, 1)).view(layers - 1, heads, count, dim)
+    cached_keys[1:] = _rotate(adapter, mapped, *_frame(adapter, start, count, slice(1, None)))
     cached_values[1:] = _affine(values[1:].flatten(0, 1), value_maps[1:].flatten(0, 1)).view_as(mapped)
 
 
@@ -126,46 +131,72 @@ def calibration_prompts(texts: Sequence[str], num_tokens: Callable[[str], int], 
     return prompts
 
 
+@dataclass
+class NormalEquations:
+    """The ridge fit's running sums, K then V: xtx [2, P, L, H_kv, D + 1, D + 1], xty [2, P, L, H_kv, D + 1, D]
+    (float64, on the host), over `prompts` prompts."""
+
+    xtx: torch.Tensor
+    xty: torch.Tensor
+    prompts: int = 0
+
+    @classmethod
+    def empty(cls, adapter, places: int) -> NormalEquations:
+        if places < 1:
+            raise ValueError(f"places must be >= 1, got {places}")
+        d, shape = adapter.head_dim, (2, places, adapter.num_layers, adapter.num_kv_heads)
+        return cls(torch.zeros(*shape, d + 1, d + 1, dtype=torch.float64), torch.zeros(*shape, d + 1, d,
+                                                                                      dtype=torch.float64))
+
+
 @torch.inference_mode()
-def fit(adapter, samples: Sequence[tuple[torch.Tensor, Sequence]], places: int = 1,
-        progress: bool | None = None) -> DriftMaps:
-    """Ridge-fit the maps on `samples`: per prompt, its token ids [N] and its reused chunks (assembly.Chunk
-    with an entry: the stored, stale K/V), against the model's own forward over the whole prompt (true),
-    keys unrotated; with `places` > 1, one map per place (the i-th reused chunk of a prompt; the last map
-    takes all after)."""
-    d = adapter.head_dim
-    if places < 1:
-        raise ValueError(f"places must be >= 1, got {places}")
-    shape = (2, places, adapter.num_layers, adapter.num_kv_heads)
-    xtx = torch.zeros(*shape, d + 1, d + 1, dtype=torch.float64)  # normal equations, K then V
-    xty = torch.zeros(*shape, d + 1, d, dtype=torch.float64)
-    used = 0
-    quiet = not progress if progress is not None else None
-    bar = tqdm(samples, desc="fitting drift maps", unit="prompt", disable=quiet)
-    for token_ids, reused in bar:
-        if not reused:
-            continue
-        true_keys, true_values = adapter.reference_kv(token_ids)  # [L, H_kv, N, D]
-        for i, c in enumerate(reused):
-            count = len(c.token_ids)
-            stale_keys = _unrotate(adapter, c.entry.keys.float(), *_frame(adapter, c.entry.start, count))
-            keys = _unrotate(adapter, true_keys[:, :, c.start:c.end].float(), *_frame(adapter, c.start, count))
-            pairs = ((stale_keys, keys), (c.entry.values, true_values[:, :, c.start:c.end]))
-            for which, (x, y) in enumerate(pairs):
-                x = x.double()  # [L, H_kv, S, D]
-                x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-                xtx[which, _slot(i, places)] += x.transpose(-1, -2) @ x
-                xty[which, _slot(i, places)] += x.transpose(-1, -2) @ y.double()
-        used += 1
-    if used == 0:
+def add_prompt(adapter, sums: NormalEquations, reused: Sequence, true_keys: torch.Tensor,
+               true_values: torch.Tensor) -> None:
+    """Add one prompt to the sums: its reused chunks (assembly.PlannedChunk with an entry: the stored, stale K/V)
+    against the K/V a full prefill of the whole prompt gives (true_keys, true_values: [L, H_kv, N, D]), keys
+    unrotated; the i-th reused chunk goes to place i (the last place takes all after)."""
+    if not reused:
+        return
+    places = sums.xtx.shape[1]
+    for i, c in enumerate(reused):
+        count = len(c.token_ids)
+        stale = c.entry.keys.to(adapter.device).float()  # stored in host memory
+        stale_keys = _unrotate(adapter, stale, *_frame(adapter, c.entry.start, count))
+        keys = _unrotate(adapter, true_keys[:, :, c.start:c.end].float(), *_frame(adapter, c.start, count))
+        pairs = ((stale_keys, keys), (c.entry.values.to(adapter.device), true_values[:, :, c.start:c.end]))
+        for which, (x, y) in enumerate(pairs):
+            x = x.double()  # [L, H_kv, S, D]
+            x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+            # The normal equations are summed on the host: one small copy per chunk.
+            sums.xtx[which, _slot(i, places)] += (x.transpose(-1, -2) @ x).cpu()
+            sums.xty[which, _slot(i, places)] += (x.transpose(-1, -2) @ y.double()).cpu()
+    sums.prompts += 1
+
+
+def solve(sums: NormalEquations) -> DriftMaps:
+    """The maps the sums give. A place too few calibration tokens reached (prompts cut short by the context
+    window) takes the map fitted on every place: a map solved from almost nothing would wipe the K/V it maps."""
+    if sums.prompts == 0:
         raise ValueError("no calibration prompt had stored documents within the context window: ingest the "
                          "documents first (fit_drift needs at least two)")
-    # A place too few calibration tokens reached (prompts cut short by the context window) takes the map
-    # fitted on every place: a map solved from almost nothing would wipe the K/V it maps.
+    xtx, xty = sums.xtx.clone(), sums.xty.clone()
+    d = xtx.shape[-1] - 1
     thin = xtx[0, :, 0, 0, -1, -1] < MIN_ROWS * (d + 1)  # [P] the bias input's own product counts the tokens
     xtx[:, thin], xty[:, thin] = xtx.sum(1, keepdim=True), xty.sum(1, keepdim=True)
     maps = torch.linalg.solve(xtx + RIDGE * torch.eye(d + 1, dtype=torch.float64), xty).float()
-    return DriftMaps(maps[0].contiguous(), maps[1].contiguous(), used)
+    return DriftMaps(maps[0].contiguous(), maps[1].contiguous(), sums.prompts)
+
+
+def fit(adapter, samples: Sequence[tuple[torch.Tensor, Sequence]], places: int = 1,
+        progress: bool | None = None) -> DriftMaps:
+    """Ridge-fit the maps on `samples`: per prompt, its token ids [N] and its reused chunks, against the model's
+    own forward over the whole prompt (see add_prompt); with `places` > 1, one map per place."""
+    sums = NormalEquations.empty(adapter, places)
+    quiet = not progress if progress is not None else None
+    for token_ids, reused in tqdm(samples, desc="fitting drift maps", unit="prompt", disable=quiet):
+        if reused:
+            add_prompt(adapter, sums, reused, *adapter.reference_kv(token_ids))
+    return solve(sums)
 
 
 def save(maps: DriftMaps, path: Path, fingerprint: str, mode: int = 0o600) -> None:

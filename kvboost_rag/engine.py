@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 import threading
 import time
@@ -27,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import calibrate as calibration
-from . import drift, fidelity, models
+from . import drift, fidelity, ingestion, models
 from . import keys as keyring
 from .adapter import ModelAdapter
 from .assembly import (
@@ -118,12 +117,19 @@ class StreamPiece:
     result: Generation | None = None  # set on the last piece only
 
 
+def _elapsed_ms(started: float, logits: torch.Tensor) -> float:
+    """Milliseconds since `started` (perf_counter) once `logits` are computed: a GPU runs behind the host."""
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
+    return (time.perf_counter() - started) * 1e3
+
+
 class KVBoost:
     def __init__(self, loaded: models.LoadedModel, config: EngineConfig | None = None,
                  store: KVStore | None = None):
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
-        self.adapter = ModelAdapter(loaded.model)
+        self.adapter = ModelAdapter(models.to_device(loaded.model, config.device))
         check_for_model(config.repair, self.adapter.num_layers)
         self.model_id = loaded.model_id
         self._bos_ids = bos_ids(self.tokenizer)
@@ -140,7 +146,7 @@ class KVBoost:
         self.documents = DocumentIndex(Path(disk_dir) / f"documents-{self.fingerprint[:16]}.jsonl"
                                        if disk_dir else None, file_mode=config.store.file_mode)
         self._eos_ids = eos_ids(loaded.model, self.tokenizer)
-        self._context_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # see _context_kv
+        self._context_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the ingestion context K/V
         # One forward at a time: the model and the store's write-back are shared by all callers.
         self.lock = threading.RLock()
         # What the engine did, for callers and tests: documents computed or found stored, chunks written back.
@@ -159,6 +165,7 @@ class KVBoost:
         self.drift = None
         if self.drift_path is not None and self.drift_path.exists():
             self.drift = drift.load(self.drift_path, self.fingerprint, self.adapter)
+            self.drift = self.drift.to(self.adapter.device) if self.drift is not None else None
             if self.drift is None:
                 warnings.warn(f"ignoring drift maps {self.drift_path}: not this model's, from an older kvboost-rag, "
                               "or damaged; refit them with fit_drift()", stacklevel=2)
@@ -166,11 +173,12 @@ class KVBoost:
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
                         config: EngineConfig | None = None, **config_overrides) -> KVBoost:
-        """The bundled SmolLM2-135M-Instruct when no name is given; else a local folder or hub id."""
+        """The bundled SmolLM2-135M-Instruct when no name is given; else a local folder or hub id. Loaded in
+        `config.dtype` on `config.device` (EngineConfig fields, also given as keywords: device="cuda")."""
         config = config or EngineConfig(dtype=dtype)
         if config_overrides:
             config = dataclasses.replace(config, **config_overrides)
-        return cls(models.load(name_or_path, dtype=config.dtype), config)
+        return cls(models.load(name_or_path, dtype=config.dtype, device=config.device), config)
 
     # ---- ingestion -------------------------------------------------------------------------
 
@@ -184,10 +192,22 @@ class KVBoost:
         calibrate = self.config.calibrate if calibrate is None else calibrate
         if isinstance(texts, str):
             raise TypeError("ingest takes a list of documents; wrap a single one: ingest([text])")
-        ids = []
-        bar = tqdm(texts, desc="ingest", unit="doc", disable=not progress if progress is not None else None)
-        for i, text in enumerate(bar):
-            ids.append(self._ingest_one(text, i, pin).doc_id)
+        docs = []
+        for i, text in enumerate(texts):
+            try:
+                docs.append(self.document(text))
+            except ValueError as e:
+                raise ValueError(f"document {i}: {e}") from None
+        bar = tqdm(total=len(docs), desc="ingest", unit="doc", disable=not progress if progress is not None else None)
+        for batch in ingestion.batches(docs, self.config.ingest_batch_tokens):
+            with self.lock:
+                todo = {doc.doc_id: doc for doc in batch if not self._is_stored(doc)}
+                encoded = dict(zip(todo, self._encode_after_context(list(todo.values())), strict=True))
+                for doc in batch:
+                    self._store_document(doc, pin, encoded.pop(doc.doc_id, None))
+            bar.update(len(batch))
+        bar.close()
+        ids = [doc.doc_id for doc in docs]
         if calibrate and calibration.due(self):
             self.calibrate(progress=progress)
         elif calibrate and self.predictor is None and not self._warned_small:
@@ -205,7 +225,7 @@ class KVBoost:
 
     def set_drift(self, maps: drift.DriftMaps) -> None:
         """Use these drift maps from now on, and save them beside the disk tier."""
-        self.drift = maps
+        self.drift = maps.to(self.adapter.device)
         if self.drift_path is not None:
             drift.save(maps, self.drift_path, self.fingerprint, mode=self.config.store.file_mode)
 
@@ -230,69 +250,46 @@ class KVBoost:
         doc_id = keyring.content_key(self.fingerprint, token_ids).hex()
         return Document(doc_id, text, tuple(token_ids), tuple(chunks))
 
-    def _ingest_one(self, text: str, index: int, pin: bool) -> Document:
+    def _is_stored(self, doc: Document) -> bool:
+        return all(self.store.contains(pkey) for _, (pkey, _) in self._chunk_keys(doc))
+
+    def _store_document(self, doc: Document, pin: bool, encoded: ingestion.Encoded | None) -> None:
+        """Store `doc`'s chunks from `encoded` (its tokens after the context and a reader of their K/V; None when
+        it was found stored). Stored only once every chunk is computed: nothing half-computed is ever stored.
+        The context chunks every document shares are written once, not once per document."""
+        self.counters["documents_computed" if encoded is not None else "documents_stored"] += 1
+        pinned: list[bytes] = []
         try:
-            doc = self.document(text)
-        except ValueError as e:
-            raise ValueError(f"document {index}: {e}") from None
-        context = self._doc_context
-        keys = keyring.chain(self.fingerprint, [tokens for tokens, _ in context] + doc.chunk_tokens())
-        offset = sum(len(tokens) for tokens, _ in context)
-        ends = list(itertools.accumulate(len(tokens) for tokens, _ in context))
-        spans = list(zip([0, *ends], ends, strict=False)) + [(offset + c.start, offset + c.end) for c in doc.chunks]
-        with self.lock:
-            stored = all(self.store.contains(pkey) for pkey, _ in keys)
-            self.counters["documents_stored" if stored else "documents_computed"] += 1
-            cache = None if stored else self._encode_after_context(doc)
-            # Stored only once every chunk is computed: nothing half-computed is ever stored. The context
-            # chunks every document shares are written once, not once per document.
-            pinned: list[bytes] = []
-            try:
-                for (start, end), (pkey, ckey) in zip(spans, keys, strict=True):
-                    if self.store.contains(pkey):
-                        if not pin or self.store.is_pinned(pkey):
-                            continue
-                        if self.store.pin(pkey):  # stored, not pinned yet: pinned as it is stored
-                            pinned.append(pkey)
-                            continue
-                    if cache is None:  # listed as stored, but gone or unreadable since
-                        cache = self._encode_after_context(doc)
-                    k, v = cache[1].read(start, end)
-                    self.store.put(KVEntry(k, v, tuple(cache[0][start:end].tolist()), start, pkey, ckey), pin=pin)
-                    if pin:
+            for (start, end), (pkey, ckey) in self._chunk_keys(doc):
+                if self.store.contains(pkey):
+                    if not pin or self.store.is_pinned(pkey):
+                        continue
+                    if self.store.pin(pkey):  # stored, not pinned yet: pinned as it is stored
                         pinned.append(pkey)
-            except ValueError:
-                # A pin that does not fit the budget: this document pins nothing rather than its first chunks.
-                for pkey in pinned:
-                    self.store.unpin(pkey)
-                raise
-            self.documents.add(doc)
-        return doc
+                        continue
+                if encoded is None:  # listed as stored, but gone or unreadable since
+                    encoded = self._encode_after_context([doc])[0]
+                ids, read = encoded
+                k, v = read(start, end)
+                self.store.put(KVEntry(k, v, tuple(ids[start:end].tolist()), start, pkey, ckey), pin=pin)
+                if pin:
+                    pinned.append(pkey)
+        except ValueError:
+            # A pin that does not fit the budget: this document pins nothing rather than its first chunks.
+            for pkey in pinned:
+                self.store.unpin(pkey)
+            raise
+        self.documents.add(doc)
 
-    def _encode_after_context(self, doc: Document) -> tuple[torch.Tensor, KVBuffers]:
-        """The form a content hit is re-rotated from: the document after its ingestion context.
-        Returns (token ids [N], their K/V). The context is the same for every document: its K/V are computed
-        once per engine and the document's tokens attend to them, a third of an ingestion's compute saved."""
+    def _encode_after_context(self, docs: list[Document]) -> list[ingestion.Encoded]:
+        """The documents' K/V after the ingestion context (see ingestion.encode_after_context)."""
         context_ids = [t for tokens, _ in self._doc_context for t in tokens]
-        ids = torch.tensor(context_ids + list(doc.token_ids))
-        n, offset = ids.shape[0], len(context_ids)
-        cache = self.adapter.new_buffers(n)
-        with torch.inference_mode():
-            if offset:
-                cache.write(0, *self._context_kv(context_ids))
-            self.adapter.run_layers(self.adapter.embed(ids[offset:]), torch.arange(offset, n), cache,
-                                    range(self.adapter.num_layers), n)
-        return ids, cache
+        if self._context_cache is None and context_ids:
+            self._context_cache = ingestion.encode_context(self.adapter, context_ids)
+        return ingestion.encode_after_context(self.adapter, docs, context_ids, self._context_cache)
 
-    def _context_kv(self, context_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ingestion context's K/V, [L, H_kv, C, D] each, computed on first use."""
-        if self._context_cache is None:
-            c = len(context_ids)
-            cache = self.adapter.new_buffers(c)
-            self.adapter.run_layers(self.adapter.embed(torch.tensor(context_ids)), torch.arange(c), cache,
-                                    range(self.adapter.num_layers), c)
-            self._context_cache = cache.read(0, c)
-        return self._context_cache
+    def _chunk_keys(self, doc: Document) -> list[tuple[tuple[int, int], tuple[bytes, bytes]]]:
+        return ingestion.chunk_keys(self.fingerprint, self._doc_context, doc)
 
     def _context_chunks(self, doc_context: str) -> list[tuple[tuple[int, ...], bool]]:
         """The chunks a document is encoded after at ingestion (see ChunkingConfig.doc_context)."""
@@ -360,7 +357,7 @@ class KVBoost:
             fell_back = guard is not None and not guard.trusts(logits)
             if fell_back:  # its first token cannot be trusted: a full prefill, as `full` computes it
                 cache, logits = self._exact_cache(p.token_ids, n + max_new_tokens)
-            ttft_ms = (time.perf_counter() - started) * 1e3
+            ttft_ms = _elapsed_ms(started, logits)
             if write_back and (chosen.reuse_exact or chosen.reuse_content):
                 self._write_back(p, cache)
         risk = 0.0 if guard is None or fell_back else guard.risk
@@ -391,7 +388,7 @@ class KVBoost:
         """A full prefill of exactly `p`'s tokens, nothing reused: the truth to compare a strategy with."""
         started, n = time.perf_counter(), p.num_tokens
         cache, logits = self._exact_cache(p.token_ids, n + max_new_tokens)
-        return Prefill(p, cache, logits, n, "full", started, (time.perf_counter() - started) * 1e3)
+        return Prefill(p, cache, logits, n, "full", started, _elapsed_ms(started, logits))
 
     def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
                   seed: int = 0, layout: Callable[[list[str]], str | Messages] | None = None,
@@ -448,7 +445,8 @@ class KVBoost:
 
     def stream_from(self, pre: Prefill, params: SamplingParams) -> Iterator[StreamPiece]:
         """Decode from a prefilled cache (made with room for params.max_new_tokens)."""
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        generator = (torch.Generator(self.adapter.device).manual_seed(params.seed) if params.seed is not None
+                     else None)
         text = TextStream(self.tokenizer, params.stop)
         logits, position, finish, cache = pre.logits, pre.prompt_tokens, "length", pre.cache
         # The guard goes on where the prefill's left it: every token from the reused cache adds its risk, and

@@ -14,11 +14,12 @@ import torch
 
 class KVBuffers:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        # One allocation per K and V, all layers; `keys[i]` is layer i's view [1, H_kv, capacity, D].
+                 dtype: torch.dtype, device: torch.device | str = "cpu", batch: int = 1):
+        # One allocation per K and V, all layers; `keys[i]` is layer i's view [B, H_kv, capacity, D].
+        # B is 1 for a prompt; ingestion encodes B documents side by side (one row each, same positions).
         # Uninitialized on purpose: every position is written (assembled or computed) before any
         # query can attend to it, and zero-filling costs more than the naive prefill's compute.
-        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
         self.all_keys = torch.empty(shape, dtype=dtype, device=device)
         self.all_values = torch.empty(shape, dtype=dtype, device=device)
         self.keys = list(self.all_keys.unbind(0))
@@ -33,17 +34,18 @@ class KVBuffers:
     def num_layers(self) -> int:
         return len(self.keys)
 
-    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All layers' K/V for positions start .. end - 1: [L, H_kv, S, D] each (views, to write into)."""
-        return self.all_keys[:, 0, :, start:end], self.all_values[:, 0, :, start:end]
+    def span(self, start: int, end: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers' K/V for positions start .. end - 1 of one row: [L, H_kv, S, D] each (views, to write into)."""
+        return self.all_keys[:, row, :, start:end], self.all_values[:, row, :, start:end]
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """All layers at once. keys, values: [L, H_kv, S, D] placed at start .. start + S - 1."""
-        cached_keys, cached_values = self.span(start, start + keys.shape[-2])
-        cached_keys[:], cached_values[:] = keys, values
+        """All layers at once, every row. keys, values: [L, H_kv, S, D] placed at start .. start + S - 1."""
+        end = start + keys.shape[-2]
+        self.all_keys[:, :, :, start:end] = keys[:, None]
+        self.all_values[:, :, :, start:end] = values[:, None]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """The call transformers' attention makes. key_states, value_states: [1, H_kv, Q, D]."""
+        """The call transformers' attention makes. key_states, value_states: [B, H_kv, Q, D]."""
         layer_keys, layer_values = self.keys[layer_idx], self.values[layer_idx]
         if self.write_positions is None:
             q = key_states.shape[2]
@@ -55,9 +57,9 @@ class KVBuffers:
             layer_values.index_copy_(2, self.write_positions, value_states)
         return layer_keys[:, :, :self.attend_len], layer_values[:, :, :self.attend_len]
 
-    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All layers' K/V for positions start .. end - 1: [L, H_kv, S, D] each (copies)."""
-        return tuple(t.clone() for t in self.span(start, end))
+    def read(self, start: int, end: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers' K/V for positions start .. end - 1 of one row: [L, H_kv, S, D] each (copies)."""
+        return tuple(t.clone() for t in self.span(start, end, row))
 
     @property
     def nbytes(self) -> int:

@@ -18,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from . import repair as repair_registry
-from .config import ConfigError, RepairConfig, check_doc_context, check_for_model
+from .config import ConfigError, EngineConfig, RepairConfig, check_doc_context, check_for_model
 from .engine import Generation, KVBoost
 from .generation import SamplingParams
-from .models import parse_dtype
+from .models import parse_dtype, resolve_device
 from .serving import model_key
 
 REPAIR_FIELDS = tuple(f.name for f in dataclasses.fields(RepairConfig))
@@ -37,6 +37,8 @@ STRATEGY_HELP = (f"How the assembled prompt cache is repaired: one of {', '.join
 REPAIR_HELP = (f"Repair settings: a kvboost_rag.config.RepairConfig (used as it is), or a dict of some of its "
                f"fields ({', '.join(REPAIR_FIELDS)}) laid over the engine's own config; None = the engine's. "
                "Any of these fields can also be given per call.")
+DEVICE_HELP = next(f.metadata["help"] for f in dataclasses.fields(EngineConfig) if f.name == "device") + (
+    "; the same device as a given engine's, or left 'auto'")
 DOC_CONTEXT_HELP = ("How documents are encoded at ingestion: \"passage\" (after a neutral paragraph, as a later "
                     "document of a prompt), \"template\" or \"none\" (alone); see kvboost_rag.config.ChunkingConfig. "
                     "None = the default (\"passage\"), or the given engine's own.")
@@ -47,6 +49,7 @@ class LLMFields(Protocol):
 
     model: str | None
     dtype: str
+    device: str
     doc_context: str | None
     strategy: str
     max_tokens: int
@@ -91,10 +94,11 @@ def check_sampling(call: dict[str, Any]) -> dict[str, Any]:
 
 def check_fields(llm: LLMFields) -> None:
     """An LLM object's settings checked as a call would check them, so that a bad one fails when the object is
-    made, not at its first call: the strategy, dtype and doc_context by name, sampling and repair values
-    by the ranges of SamplingParams and RepairConfig."""
+    made, not at its first call: the strategy, dtype and doc_context by name, the device by name and by what the
+    machine has, sampling and repair values by the ranges of SamplingParams and RepairConfig."""
     repair_registry.get_strategy(llm.strategy)
     parse_dtype(llm.dtype)
+    resolve_device(llm.device)
     if llm.doc_context is not None:
         check_doc_context(llm.doc_context)
     check_sampling({"max_new_tokens": llm.max_tokens, "temperature": llm.temperature, "top_p": llm.top_p,
@@ -105,7 +109,12 @@ def check_fields(llm: LLMFields) -> None:
 
 def check_engine(engine: KVBoost, llm: LLMFields) -> None:
     """An LLM object given a pre-built engine, checked against it: the same doc_context (documents are encoded
-    once, by the engine, so the field cannot change how), and a repair that fits the engine's model."""
+    once, by the engine, so the field cannot change how), the same device unless "auto", and a repair that fits
+    the engine's model."""
+    if llm.device != "auto" and resolve_device(llm.device) != engine.adapter.device:
+        raise ValueError(f"device {llm.device!r} differs from the given engine's ({engine.adapter.device}); leave "
+                         f"device 'auto' to use the engine's, or build the engine with EngineConfig(device="
+                         f"{llm.device!r})")
     if llm.doc_context is not None and llm.doc_context != engine.config.chunking.doc_context:
         raise ValueError(f"doc_context {llm.doc_context!r} differs from the given engine's "
                          f"{engine.config.chunking.doc_context!r}; leave doc_context unset (None) to use the "

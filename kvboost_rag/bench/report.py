@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import json
+from pathlib import Path
 
 COLUMNS = [  # (key, header, format)
     ("ttft_ms", "TTFT ms", "{:.1f}"),
@@ -85,3 +87,89 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---- the scaling report (scaling.run_scaling) -------------------------------------------------------------
+
+SCALING_COLUMNS = [  # (key, header, format)
+    ("ttft_ms", "TTFT ms", "{:.1f}"),
+    ("ttft_ratio", "TTFT / full's", "{:.3f}"),
+    ("speedup", "speed-up", "{:.2f}x"),
+    ("first_token_agreement", "1st token = full's", "{:.2f}"),
+    ("agreement", "agree@N", "{:.2f}"),
+    ("first_token_kl", "KL 1st", "{:.4f}"),
+    ("first_logit_gap", "max abs dlogit 1st", "{:.3f}"),
+    ("recompute_fraction", "recompute", "{:.3f}"),
+    ("fell_back", "fell back", "{:.2f}"),
+]
+
+
+def scaling_table(report: dict) -> str:
+    """Markdown: how the report was made, its ingestion, then one row per size and strategy."""
+    ing = report["ingest"]
+    speed = "-" if ing["tokens_per_s"] is None else f"{ing['tokens_per_s']:.0f} tokens/s"
+    head = ["target", "prompt tok", "strategy"] + [h.replace("agree@N", f"agree@{report['agree_tokens']}")
+                                                   for _, h, _ in SCALING_COLUMNS]
+    lines = [f"{report['model']}, {report['dtype']} on {report['device']} ({report['device_name']}), "
+             f"kv_bits={report['kv_bits']}, {report['per_size']} prompt(s) per size; median TTFT and ratios, mean "
+             f"quality against full; {report['seconds']} s",
+             "",
+             f"Ingestion: {ing['documents']} documents, {ing['tokens']} tokens in {ing['seconds']:.1f} s ({speed}, "
+             f"{ing['computed']} computed, {ing['stored_already']} found stored); calibration "
+             + (f"{ing['calibration_s']:.1f} s more" if ing["calibrated"] else "not run"),
+             "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for size in report["sizes"]:
+        for label, row in size["strategies"].items():
+            cells = [str(size["target"]), f"{size['prompt_tokens']:.0f}", label]
+            cells += ["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in SCALING_COLUMNS]
+            lines.append("| " + " | ".join(cells) + " |")
+    for refused in report["refused"]:
+        lines.append(f"| {refused['target']} | - | refused: {refused['reason']} |" + " |" * len(SCALING_COLUMNS))
+    return "\n".join(lines)
+
+
+def plot_scaling(report: dict, path: str) -> None:
+    """Median TTFT (left, log-log) and TTFT as a share of full's (right) against prompt tokens, a line per
+    strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = report["sizes"]
+    labels = list(sizes[0]["strategies"]) if sizes else []
+    fig, (absolute, ratio) = plt.subplots(1, 2, figsize=(12, 4.8))
+    tokens = [s["prompt_tokens"] for s in sizes]
+    for label in labels:
+        style = dict(marker="o", ms=5, label=label, ls="--" if label == "full" else "-")
+        absolute.plot(tokens, [s["strategies"][label]["ttft_ms"] for s in sizes], **style)
+        ratio.plot(tokens, [s["strategies"][label]["ttft_ratio"] for s in sizes], **style)
+    absolute.set_xscale("log", base=2)
+    absolute.set_yscale("log")
+    absolute.set_ylabel("median TTFT (ms)")
+    ratio.set_xscale("log", base=2)
+    ratio.set_ylim(bottom=0)
+    ratio.set_ylabel("TTFT / full prefill's TTFT (median)")
+    for ax in (absolute, ratio):
+        ax.set_xticks(tokens, [f"{t:.0f}" for t in tokens])
+        ax.set_xlabel("prompt tokens")
+        ax.grid(alpha=0.3)
+    ratio.legend(fontsize=8)
+    fig.suptitle(f"{report['model']} ({report['dtype']}, {report['device_name']}): TTFT as the prompt grows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_scaling(report: dict, folder: str | Path, plot: bool = True) -> list[Path]:
+    """scaling.json, scaling.md and (with `plot`) scaling.png in `folder`; returns their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / "scaling.json", folder / "scaling.md"]
+    paths[0].write_text(json.dumps(report, indent=1))
+    paths[1].write_text(scaling_table(report) + "\n")
+    if plot and report["sizes"]:
+        paths.append(folder / "scaling.png")
+        plot_scaling(report, str(paths[-1]))
+    return paths

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import ask, bench, bench_store, ingest, serve, store
+from . import ask, bench, bench_scaling, bench_store, ingest, serve, store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvboost-rag", description="Answer sooner in RAG on a local HuggingFace model: document KV computed "
         "once at ingestion, reused in any order, repaired where it matters, guarded to stay a full prefill's answer.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (ingest, ask, bench, bench_store, store, serve):
+    for module in (ingest, ask, bench, bench_scaling, bench_store, store, serve):
         module.add_parser(sub)
     return parser
 

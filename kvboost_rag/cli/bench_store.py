@@ -11,7 +11,7 @@ from ..bench.data import load_items
 from ..bench.storage import run_storage_bench, table
 from ..config import KV_BITS
 from ..repair import names
-from .common import add_engine_options, count, engine_config, sampling_params
+from .common import add_engine_options, count, engine_config, flags_named, sampling_params
 
 
 def bits_list(text: str) -> list[int]:
@@ -41,7 +41,8 @@ def main(args: argparse.Namespace) -> int:
     sampling_params(max_new_tokens=args.max_new_tokens)
     config = engine_config(args)
     items = load_items(args.data, limit=args.limit)
-    loaded = models.load(args.model, args.dtype)
+    with flags_named():
+        loaded = models.load(args.model, args.dtype, config.device)
     report = run_storage_bench(loaded, config, items, strategy=args.strategy, bits=args.bits,
                                max_new_tokens=args.max_new_tokens)
     print(table(report))

@@ -19,6 +19,7 @@ from ..config import (
     StoreConfig,
 )
 from ..generation import SamplingParams
+from ..models import MODEL_HELP, resolve_device
 from ..repair import get_strategy, names
 
 # The flag each config field is set by, where it is not "--" + the field's name with dashes.
@@ -59,8 +60,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, repair: bool = True) 
     """The model, dtype, store and encoding options; with `repair`, also one flag per RepairConfig field
     (a command that answers no prompt, such as ingest, leaves them out)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local HF folder or hub id (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    add_config_option(g, EngineConfig, "device")
     g.add_argument("--store", type=Path, default=None, help="persistent KV store folder (disk tier)")
     g.add_argument("--memory-budget", type=int, default=None, help="bytes the in-memory tier may hold")
     g.add_argument("--kv-bits", type=int, default=StoreConfig.kv_bits, choices=KV_BITS, help="stored KV precision")
@@ -70,6 +72,12 @@ def add_engine_options(parser: argparse.ArgumentParser, *, repair: bool = True) 
                         "or that and a neutral passage (as a later document of a prompt)")
     if repair:
         add_repair_options(parser)
+
+
+def add_config_option(group, config_class, name: str, **overrides) -> None:
+    """The flag of one config field, with the field's own default and help text (declared once, in config.py)."""
+    f = next(f for f in dataclasses.fields(config_class) if f.name == name)
+    group.add_argument(flag(name), **{"default": f.default, "help": f.metadata["help"], **overrides})
 
 
 def add_repair_options(parser: argparse.ArgumentParser) -> None:
@@ -108,12 +116,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine options as a config; a value out of range is refused naming its flag."""
     repair = repair_config(args)
     with flags_named():
-        return EngineConfig(
+        config = EngineConfig(
             dtype=args.dtype,
+            device=args.device,
             chunking=ChunkingConfig(max_chunk_tokens=args.max_chunk_tokens, doc_context=args.doc_context),
             repair=repair,
             store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
         )
+        resolve_device(config.device)  # "cuda" on a machine without one is refused here, before anything is read
+        return config
 
 
 def sampling_params(**values) -> SamplingParams:

@@ -106,7 +106,7 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
     num_reused = int(torch.isin(positions, always, invert=True).sum())
     weight = ((positions.float() + 1) / n) ** config.recency  # [Q] later tokens count more
 
-    # One mask for every non-exact token; the shrinking set takes its rows.
+    # One mask (per kind of layer) for every non-exact token; the shrinking set takes its rows.
     mask = adapter.causal_mask(positions, n, adapter.dtype)
     hidden = adapter.embed(plan.token_ids[positions])  # [1, Q, H]
     if check > 0:
@@ -123,7 +123,8 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
             keep = torch.tensor([rows.numel() - 1])  # only the last token's output is needed (position n - 1)
         else:
             stale = (cache.keys[layer][:, :, here], cache.values[layer][:, :, here])
-            score = kv_deviation((keys, values), stale) * weight[rows]
+            # On the host: the selection below indexes host positions (one copy per layer on a GPU).
+            score = kv_deviation((keys, values), stale).cpu() * weight[rows]
             is_reused = torch.isin(here, always, invert=True)
             count, available = math.ceil(fractions[layer - check] * num_reused), int(is_reused.sum())
             if multiple > 0 and count < available:
@@ -136,12 +137,13 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
             if count < available:
                 picked = top_deviations(score, torch.nonzero(is_reused).flatten(), count)
                 keep = torch.sort(torch.cat([torch.nonzero(~is_reused).flatten(), picked])).values
-        cache.keys[layer].index_copy_(2, here, keys)
-        cache.values[layer].index_copy_(2, here, values)
+        slots = here.to(cache.all_keys.device)
+        cache.keys[layer].index_copy_(2, slots, keys)
+        cache.values[layer].index_copy_(2, slots, values)
         # The kept tokens run the whole layer (their output is the next layer's input); the dropped ones
         # keep the fresh K/V just written here and their cached K/V in every deeper layer.
         rows, hidden = rows[keep], hidden[:, keep]
-        hidden = adapter.run_layers(hidden, positions[rows], cache, range(layer, layer + 1), n, mask=mask[:, :, rows])
+        hidden = adapter.run_layers(hidden, positions[rows], cache, range(layer, layer + 1), n, mask=mask.rows(rows))
     return BlendResult(hidden[:, -1:], layer_positions or [positions])
 
 

@@ -270,9 +270,12 @@ def encode_entry(entry: KVEntry, bits: int, group_size: int) -> StoredEntry:
         content_key=entry.content_key,
         dtype=entry.keys.dtype,
     )
+    # Stored KV lives in host memory whatever device computed it (a GPU's memory is for the requests);
+    # assembly copies a request's chunks to the device.
+    keys, values = entry.keys.cpu(), entry.values.cpu()
     if bits == 16:
-        return StoredEntry(**common, raw=(_own(entry.keys), _own(entry.values)))
-    return StoredEntry(**common, quantized=quantize_kv(entry.keys, entry.values, bits, group_size))
+        return StoredEntry(**common, raw=(_own(keys), _own(values)))
+    return StoredEntry(**common, quantized=quantize_kv(keys, values, bits, group_size))
 
 
 def decode_entry(stored: StoredEntry) -> KVEntry:

@@ -2,7 +2,7 @@
 
 The fidelity guard and the repair settings were tuned on `kvboost_rag/bench/synthetic_*.jsonl`; this set is
 for judging them on prompts they have not seen, and nothing may be tuned on it. It shares no entity kind,
-name list or sentence template with `kvboost_rag.bench.data`'s synthetic generator (checked on every run,
+name list or sentence template with the bundled sets' synthetic generator (`synthetic_set.py`; checked on every run,
 for the name lists), and its prompts are laid out differently:
 
 * six kinds of entity (chemical compounds, rivers, software releases, recipes, court cases, sports clubs),
@@ -59,7 +59,7 @@ STYLES = ("direct", "according", "command", "terse")
 _ACCORDING = ("According to the documents, ", "According to the sources, ", "Based on the passages above, ")
 
 # ---------------------------------------------------------------------------------------------------
-# Value pools: none of these names occurs in kvboost_rag.bench.data (see _check_disjoint)
+# Value pools: none of these names occurs in synthetic_set.py (see _check_disjoint)
 
 _FIRST = (
     "Ansgar", "Beatrix", "Cosmo", "Delphine", "Esmond", "Fenella", "Gideon", "Hortense", "Isidore", "Jocasta",
@@ -539,14 +539,14 @@ GENERIC_FILLERS = (
 
 def _check_disjoint() -> None:
     """No name of this set is a name of the bundled synthetic set."""
-    from kvboost_rag.bench import data as bench
+    import synthetic_set as bench  # this folder, on sys.path when this file is run as a script
 
     theirs = {s.casefold() for pool in (bench._FIRST_NAMES, bench._SURNAMES, bench._TOWNS, bench._RIVERS,
                                         bench._MOUNTAINS) for s in pool}
     theirs |= {(s + e).casefold() for s in bench._STEMS for e in bench._ENDINGS}
     ours = {s.casefold() for pool in (_FIRST, _SURNAME, _CITY, _PLACE, *(k.bases for k in KINDS)) for s in pool}
     if shared := sorted(ours & theirs):
-        raise SystemExit(f"names shared with kvboost_rag.bench.data: {shared}")
+        raise SystemExit(f"names shared with synthetic_set.py: {shared}")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def test_generate_refuses_a_per_call_repair_out_of_range(make_tiny_engine):
 
 def _llm_fields(engine=None, **fields):
     """What an LLM class holds (ChatKVBoost, KVBoostLLM), without a framework."""
-    defaults = dict(model=None, dtype="float32", doc_context=None, strategy="cacheblend", max_tokens=4,
+    defaults = dict(model=None, dtype="float32", device="auto", doc_context=None, strategy="cacheblend", max_tokens=4,
                     temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None, repair=None, client=engine)
     return SimpleNamespace(**(defaults | fields))
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from kvboost_rag import fidelity
+from kvboost_rag import drift, fidelity
 from kvboost_rag.calibrate import MIN_DOCUMENTS
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
 
@@ -175,3 +175,17 @@ def test_a_refit_waits_for_the_corpus_to_double_by_enough_documents():
     assert not due(engine(2 * MIN_DOCUMENTS, MIN_DOCUMENTS))  # doubled, but by too few documents
     assert due(engine(MIN_DOCUMENTS + REFIT_GROWTH, MIN_DOCUMENTS))
     assert not due(engine(150, 100)) and due(engine(200, 100))
+
+
+def test_calibrations_drift_maps_equal_a_fit_on_the_models_own_forward(calibrated):
+    """Calibration takes the maps' truth from its full prefill's cache (one forward per prompt, not two): the
+    maps are those drift.fit makes from the model's own forward over the same prompts."""
+    import kvboost_rag.calibrate as calibration
+
+    prompts = calibration.corpus_prompts(calibrated, calibrated.documents.texts(), calibration.PROMPTS,
+                                         calibration.PER_PROMPT)
+    reference = drift.fit(calibrated.adapter, calibration.drift_samples(calibrated, prompts), drift.PLACES)
+    assert calibrated.drift.prompts == reference.prompts == len(prompts)
+    assert torch.allclose(calibrated.drift.keys, reference.keys, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(calibrated.drift.values, reference.values, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(reference.keys, torch.zeros_like(reference.keys), atol=1e-2)

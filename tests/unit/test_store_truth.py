@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvboost_rag import EngineConfig, KVBoost, StoreConfig
+from kvboost_rag import EngineConfig, KVBoost, StoreConfig, ingestion
 from kvboost_rag.assembly import EXACT
 from kvboost_rag.models import load
 
@@ -152,16 +152,36 @@ def test_a_pin_that_does_not_fit_leaves_nothing_pinned(make_tiny_engine, docs):
 
 def test_the_ingestion_context_is_encoded_once_and_documents_attend_to_it(make_tiny_engine, docs):
     engine = make_tiny_engine()
-    starts = []
+    starts, rows = [], []
     run_layers = engine.adapter.run_layers
-    engine.adapter.run_layers = lambda hidden, positions, *a, **kw: (starts.append(int(positions[0])),
-                                                                      run_layers(hidden, positions, *a, **kw))[1]
+    engine.adapter.run_layers = lambda hidden, positions, *a, **kw: (
+        starts.append(int(positions[0])), rows.append(hidden.shape[0]), run_layers(hidden, positions, *a, **kw))[2]
     engine.ingest(docs)
     offset = sum(len(tokens) for tokens, _ in engine._doc_context)
-    assert starts == [0] + [offset] * len(docs)  # the context once, then each document after it
-    # What is stored is what one pass over context + document gives (fp32).
-    ids, cache = engine._encode_after_context(engine.document(docs[2]))
-    keys, values = engine.adapter.reference_kv(ids)
-    stored_keys, stored_values = cache.read(offset, ids.shape[0])
-    assert torch.allclose(stored_keys, keys[:, :, offset:], atol=1e-5)
-    assert torch.allclose(stored_values, values[:, :, offset:], atol=1e-5)
+    # The context once, then the documents after it, side by side in one forward (they fit one batch).
+    assert starts == [0, offset] and rows == [1, len(docs)]
+    # What is stored is what one pass over context + document gives (fp32), whatever row it had in the batch.
+    for row, (ids, read) in enumerate(engine._encode_after_context([engine.document(d) for d in docs])):
+        keys, values = engine.adapter.reference_kv(ids)
+        stored_keys, stored_values = read(offset, ids.shape[0])
+        assert torch.allclose(stored_keys, keys[:, :, offset:], atol=1e-5), row
+        assert torch.allclose(stored_values, values[:, :, offset:], atol=1e-5), row
+
+
+def test_ingestion_batches_stay_under_their_token_budget_and_store_what_one_at_a_time_stores(make_tiny_engine, docs):
+    texts = docs + [docs[0] + " " + docs[1], docs[2][:40]]  # unequal lengths: the short rows are padded
+    longest = max(len(make_tiny_engine().document(t).token_ids) for t in texts)
+    batched = make_tiny_engine(EngineConfig(ingest_batch_tokens=2 * longest))
+    single = make_tiny_engine(EngineConfig(ingest_batch_tokens=1))
+    batches = list(ingestion.batches([batched.document(t) for t in texts], 2 * longest))
+    assert [doc.text for batch in batches for doc in batch] == [batched.document(t).text for t in texts]
+    assert all(len(b) * max(len(doc.token_ids) for doc in b) <= 2 * longest for b in batches)
+    assert 1 < max(len(b) for b in batches) < len(texts)
+    assert batched.ingest(texts) == single.ingest(texts)
+    for text in texts:
+        doc = batched.document(text)
+        for (start, _), (pkey, _) in batched._chunk_keys(doc):
+            a, b = batched.store.get(pkey), single.store.get(pkey)
+            assert a.token_ids == b.token_ids and a.start == b.start == start
+            assert torch.allclose(a.keys.float(), b.keys.float(), atol=1e-4)
+            assert torch.allclose(a.values.float(), b.values.float(), atol=1e-4)

@@ -22,6 +22,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvboost_rag import Generation, KVBoost, RepairConfig
 from kvboost_rag import llm as kvboost_llm
+from kvboost_rag.models import MODEL_HELP
 from kvboost_rag.serving import astream_pieces, shared_engine
 
 # Keyword arguments LangChain itself may pass down; they need nothing from us.
@@ -44,7 +45,7 @@ class ChatKVBoost(BaseChatModel):
         ```python
         from langchain_kvboost import ChatKVBoost
 
-        llm = ChatKVBoost(max_tokens=64)  # the bundled SmolLM2-135M-Instruct, on the CPU
+        llm = ChatKVBoost(max_tokens=64)  # the bundled SmolLM2-135M-Instruct, on CUDA if there is one
         llm.prewarm(docs)  # LangChain Documents or strings
         ```
 
@@ -66,10 +67,10 @@ class ChatKVBoost(BaseChatModel):
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
-    model: str | None = None
-    """Local folder or hub id of a HuggingFace decoder; None = the bundled SmolLM2-135M-Instruct."""
+    model: str | None = Field(default=None, description=MODEL_HELP)
     dtype: str = "float32"
     """Compute dtype: "float32", "bfloat16" or "float16"."""
+    device: str = Field(default="auto", description=kvboost_llm.DEVICE_HELP)
     doc_context: str | None = Field(default=None, description=kvboost_llm.DOC_CONTEXT_HELP)
     strategy: str = Field(default="cacheblend", description=kvboost_llm.STRATEGY_HELP)
     max_tokens: int = Field(default=256, alias="max_new_tokens", ge=1)
@@ -89,8 +90,8 @@ class ChatKVBoost(BaseChatModel):
     streaming: bool = False
     """Whether `invoke` streams internally (for callback handlers); results are the same."""
     engine: KVBoost | None = Field(default=None, exclude=True)
-    """A pre-built engine; None = the process-wide engine for (model, dtype, doc_context), loaded on first
-    use."""
+    """A pre-built engine; None = the process-wide engine for (model, dtype, doc_context, device), loaded on
+    first use."""
 
     _engine: KVBoost | None = PrivateAttr(default=None)
 
@@ -109,7 +110,7 @@ class ChatKVBoost(BaseChatModel):
         if self.engine is not None:
             return self.engine
         if self._engine is None:
-            self._engine = shared_engine(self.model, self.dtype, self.doc_context)
+            self._engine = shared_engine(self.model, self.dtype, self.doc_context, self.device)
         return self._engine
 
     @property
@@ -137,6 +138,7 @@ class ChatKVBoost(BaseChatModel):
         return {
             "model_name": self.model_name,
             "dtype": self.dtype,
+            "device": self.device,
             "strategy": self.strategy,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,

@@ -238,3 +238,14 @@ async def test_async_variants_match_and_leave_the_loop_free():
     assert streamed[-1].text == alone[0] and streamed[-1].additional_kwargs["completion_tokens"] > 0
     chatted = [r async for r in await llm.astream_chat([ChatMessage(role=MessageRole.USER, content=prompts[1])])]
     assert chatted[-1].message.content == alone[1]
+
+
+def test_device_is_checked_at_construction_and_reaches_the_engine(monkeypatch):
+    import llama_index.llms.kvboost.base as base
+
+    assert KVBoostLLM().device == "auto" and "'cuda:N'" in KVBoostLLM.model_fields["device"].description
+    with pytest.raises(ValidationError, match="unknown device 'gpu'"):
+        KVBoostLLM(device="gpu")
+    asked = []
+    monkeypatch.setattr(base, "shared_engine", lambda *args: asked.append(args) or "engine")
+    assert KVBoostLLM(device="cpu").client == "engine" and asked == [(None, "float32", None, "cpu")]

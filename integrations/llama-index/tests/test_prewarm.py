@@ -21,7 +21,7 @@ pytestmark = pytest.mark.real_model
 
 
 class Computed:
-    """Documents computed and model forwards run by `engine` since the last `take()`."""
+    """Documents computed, and document rows the model ran, by `engine` since the last `take()`."""
 
     def __init__(self, engine: KVBoost, monkeypatch):
         self.engine, self.forwards = engine, 0
@@ -29,8 +29,10 @@ class Computed:
         real = engine.adapter.run_layers
 
         def counted(hidden, positions, *args, **kwargs):
-            # The ingestion context is encoded once per engine, from position 0; documents come after it.
-            self.forwards += not (engine._doc_context and engine._context_cache is None and int(positions[0]) == 0)
+            # The ingestion context is encoded once per engine, from position 0; documents come after it, side
+            # by side (a row each of one forward's hidden states [B, S, H]).
+            context = engine._doc_context and engine._context_cache is None and int(positions[0]) == 0
+            self.forwards += 0 if context else hidden.shape[0]
             return real(hidden, positions, *args, **kwargs)
 
         monkeypatch.setattr(engine.adapter, "run_layers", counted)
@@ -48,7 +50,7 @@ class Computed:
 
     def take(self) -> int:
         documents = self.engine.counters["documents_computed"] - self.documents
-        assert documents == self.forwards  # ingestion: one forward per computed document
+        assert documents == self.forwards  # ingestion: one row per computed document
         self.documents, self.forwards = self.engine.counters["documents_computed"], 0
         return documents
 

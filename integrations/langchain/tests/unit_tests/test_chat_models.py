@@ -148,3 +148,16 @@ def test_a_bare_stop_string_is_refused_not_split_into_letters():
 def test_settings_out_of_range_are_refused_at_construction(bad):
     with pytest.raises(ValidationError):
         ChatKVBoost(**bad)
+
+
+def test_device_is_checked_at_construction_and_reaches_the_engine(monkeypatch):
+    import langchain_kvboost.chat_models as chat_models
+
+    assert ChatKVBoost().device == "auto" and "'cuda:N'" in ChatKVBoost.model_fields["device"].description
+    with pytest.raises(ValidationError, match="unknown device 'gpu'"):
+        ChatKVBoost(device="gpu")
+    asked = []
+    monkeypatch.setattr(chat_models, "shared_engine", lambda *args: asked.append(args) or "engine")
+    llm = ChatKVBoost(device="cpu", dtype="bfloat16")
+    assert llm.client == "engine" and asked == [(None, "bfloat16", None, "cpu")]
+    assert llm._identifying_params["device"] == "cpu"

