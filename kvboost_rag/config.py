@@ -26,6 +26,7 @@ FIDELITY_LEVELS = ("fast", "balanced", "strict")
 # repeated here so that a config can be checked without importing torch; a unit test keeps them equal.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 KV_BITS = (16, 8, 4)
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Where the model runs (EngineConfig.device): "auto" (CUDA when available, else the CPU), "cpu", "cuda" or
 # "cuda:N". Only the form is checked here (no torch); whether the machine has that device, at load (models.py).
 DEVICE_FORMS = ("auto", "cpu", "cuda", "cuda:N")
@@ -187,8 +188,19 @@ class StoreConfig:
     redis_url: str | None = None
 
     def __post_init__(self):
+        # A store given as a URL where a folder goes (the CLI's --store, say) is the shared tier; any other
+        # scheme is refused rather than taken as a folder named "s3:".
+        if isinstance(self.disk_dir, str) and "://" in self.disk_dir:
+            if not self.disk_dir.startswith(REDIS_SCHEMES):
+                raise ConfigError("disk_dir", f"unknown store URL {self.disk_dir!r}: a store is a folder or a Redis URL "
+                                              "(redis://host:6379/0, rediss:// for TLS, unix:///path/to/redis.sock)")
+            if self.redis_url not in (None, self.disk_dir):
+                raise ConfigError("disk_dir", f"two Redis stores given: {self.disk_dir!r} and redis_url "
+                                              f"{self.redis_url!r}; give one")
+            object.__setattr__(self, "redis_url", self.disk_dir)
+            object.__setattr__(self, "disk_dir", None)
         if self.redis_url is not None and not (isinstance(self.redis_url, str)
-                                               and self.redis_url.startswith(("redis://", "rediss://", "unix://"))):
+                                               and self.redis_url.startswith(REDIS_SCHEMES)):
             raise ConfigError("redis_url", f"StoreConfig.redis_url must be a Redis URL: redis://host:6379/0, rediss:// "
                                            f"for TLS or unix:///path/to/redis.sock, or None for no shared tier; got "
                                            f"{self.redis_url!r}")

@@ -266,3 +266,21 @@ def test_cli_checks_check_layer_against_the_loaded_model(make_tiny_engine, monke
     assert cli_main(["ask", "Where?", "--docs", str(doc), "--check-layer", "999"]) == 2
     err = capsys.readouterr().err
     assert "argument --check-layer: RepairConfig.check_layer must be below the model's 3 layers" in err
+
+
+def test_a_store_given_as_a_url_is_the_redis_tier_and_an_unknown_scheme_is_refused(tmp_path, capsys):
+    url = "redis://127.0.0.1:6379/0"
+    config = StoreConfig(disk_dir=url)
+    assert config.redis_url == url and config.disk_dir is None
+    assert StoreConfig(disk_dir=url, redis_url=url).redis_url == url
+    assert StoreConfig(disk_dir=tmp_path).disk_dir == tmp_path and StoreConfig(disk_dir=tmp_path).redis_url is None
+    for bad in ("s3://bucket/kv", "http://127.0.0.1/kv"):
+        with pytest.raises(ConfigError, match="unknown store URL"):
+            StoreConfig(disk_dir=bad)
+    with pytest.raises(ConfigError, match="two Redis stores"):
+        StoreConfig(disk_dir=url, redis_url="redis://127.0.0.1:6380/0")
+    # The CLI's --store takes either, before any model is loaded: an unknown scheme is an argument error.
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Some text.")
+    assert cli_main(["ask", "question?", "--docs", str(doc), "--store", "s3://bucket/kv"]) == 2
+    assert "--store" in capsys.readouterr().err
