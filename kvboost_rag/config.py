@@ -192,8 +192,8 @@ class StoreConfig:
         # scheme is refused rather than taken as a folder named "s3:".
         if isinstance(self.disk_dir, str) and "://" in self.disk_dir:
             if not self.disk_dir.startswith(REDIS_SCHEMES):
-                raise ConfigError("disk_dir", f"unknown store URL {self.disk_dir!r}: a store is a folder or a Redis URL "
-                                              "(redis://host:6379/0, rediss:// for TLS, unix:///path/to/redis.sock)")
+                raise ConfigError("disk_dir", f"unknown store URL {self.disk_dir!r}: a store is a folder or a Redis "
+                                              "URL (redis://host:6379/0, rediss:// for TLS, unix:///path/to/redis.sock)")
             if self.redis_url not in (None, self.disk_dir):
                 raise ConfigError("disk_dir", f"two Redis stores given: {self.disk_dir!r} and redis_url "
                                               f"{self.redis_url!r}; give one")

@@ -10,6 +10,8 @@ each is compared with `full` on the same tokens:
 - first_token_kl / continuation_kl: KL(full || strategy) at the first token, and averaged over
   full's greedy output fed to both (teacher forcing): how far the cache is from the truth.
 - recompute_fraction / reuse_fraction: prompt tokens computed through every layer / reused.
+- the noise floor (with a `floor` engine: the same model in another dtype): a full prefill there, scored as
+  the strategies are. No user can tell apart answers that differ less than a change of dtype makes them differ.
 
 A strategy spec is a name with optional repair overrides: "cacheblend:recompute_ratio=0.3,taper=1".
 """
@@ -117,8 +119,12 @@ def continued_logits(engine: KVBoost, pre, first: torch.Tensor, token_ids) -> to
     return torch.cat([first, engine.continuation_logits(pre, list(token_ids)[:-1])])
 
 
+def floor_label(floor: KVBoost) -> str:
+    return f"full ({floor.config.dtype})"
+
+
 def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_new_tokens: int,
-             rotate: int) -> dict[str, Sample]:
+             rotate: int, floor: KVBoost | None = None) -> dict[str, Sample]:
     prompt = render_prompt(item)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     order = specs[rotate % len(specs):] + specs[:rotate % len(specs)]
@@ -130,11 +136,17 @@ def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_ne
         result = list(engine.stream_from(pre, params))[-1].result
         samples[spec.label] = Sample(measured_ttft_ms(pre), result.text, result.token_ids, pre.prompt_tokens,
                                      pre.recomputed_tokens, pre.reused_tokens, pre.logits[None], result)
-        prefills[spec.label] = pre
+        prefills[spec.label] = (engine, pre)
+    if floor is not None:  # after the timed strategies: its TTFT is another dtype's, not a rival's
+        pre = floor.prefill(prompt, FULL, max_new_tokens=max_new_tokens, write_back=False)
+        result = list(floor.stream_from(pre, params))[-1].result
+        samples[floor_label(floor)] = Sample(measured_ttft_ms(pre), result.text, result.token_ids, pre.prompt_tokens,
+                                             pre.recomputed_tokens, pre.reused_tokens, pre.logits[None].float(), result)
+        prefills[floor_label(floor)] = (floor, pre)
     # Quality: every strategy's cache scored on full's greedy continuation (teacher forcing).
     for label, sample in samples.items():
-        sample.distributions = continued_logits(engine, prefills[label], sample.distributions,
-                                                samples[FULL].token_ids)
+        runner, pre = prefills[label]
+        sample.distributions = continued_logits(runner, pre, sample.distributions, samples[FULL].token_ids).float()
     return samples
 
 
@@ -202,9 +214,10 @@ def store_shared_prefix(engine: KVBoost, item: BenchItem) -> None:
 
 
 def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec], *, max_new_tokens: int = 16,
-              agree_tokens: int = 16, progress: bool = True, drift_prompts: int = 0) -> dict:
+              agree_tokens: int = 16, progress: bool = True, drift_prompts: int = 0,
+              floor: KVBoost | None = None) -> dict:
     """Ingest every document (untimed), fit drift maps on them when asked, warm up, then measure; returns
-    the JSON-ready report."""
+    the JSON-ready report. With `floor` (the model in another dtype), its full prefill is one more row."""
     started = time.perf_counter()
     engine.ingest([d for item in items for d in item.documents], progress=progress)
     if drift_prompts > 0:
@@ -212,13 +225,13 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
     read_stored(engine, items)
     for item in items[:1]:
         store_shared_prefix(engine, item)
-        run_item(engine, item, specs, max_new_tokens, 0)  # warm-up, discarded
+        run_item(engine, item, specs, max_new_tokens, 0, floor)  # warm-up, discarded
     per_item = []
     for i, item in enumerate(tqdm(items, desc="bench", unit="item", disable=not progress)):
-        samples = run_item(engine, item, specs, max_new_tokens, i)
+        samples = run_item(engine, item, specs, max_new_tokens, i, floor)
         score(samples, item, agree_tokens)
         per_item.append({label: s.metrics for label, s in samples.items()} | {"id": item.id})
-    labels = [s.label for s in specs]
+    labels = [s.label for s in specs] + ([floor_label(floor)] if floor is not None else [])
     return {
         "model": engine.model_id,
         "dtype": engine.config.dtype,

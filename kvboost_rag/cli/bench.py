@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from ..bench.data import load_items
 from ..bench.report import plot, table
 from ..bench.run import parse_strategies, run_bench
-from ..config import ConfigError
+from ..config import DTYPE_NAMES, ConfigError, StoreConfig
 from .common import add_engine_options, count, engine_config, make_engine, sampling_params
 
 
@@ -26,6 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--fit-drift", type=count(0), default=0, metavar="PROMPTS",
                    help="fit drift maps on this many prompts of the ingested documents before measuring "
                         "(untimed; with --store they are saved there and found by later runs); 0 = no")
+    p.add_argument("--noise-floor", default="auto", choices=("auto", "none", *DTYPE_NAMES),
+                   help="one more row: a full prefill of the same model in this dtype, scored as the strategies "
+                        "are (auto: bfloat16 for a float32 bench, else float32; none: no such row)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--plot", type=Path, default=None, help="PNG: speed-up vs continuation KL and accuracy")
     add_engine_options(p)
@@ -42,7 +46,15 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(e.field, f"argument --strategies: {e}") from None
     items = load_items(args.data, limit=None if args.limit is None else args.skip + args.limit)[args.skip:]
     engine = make_engine(args, config)
-    report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens, drift_prompts=args.fit_drift)
+    floor_dtype = {"auto": "bfloat16" if config.dtype == "float32" else "float32"}.get(args.noise_floor,
+                                                                                      args.noise_floor)
+    floor = None
+    if floor_dtype not in ("none", config.dtype):
+        # The same model in another dtype, bare: it only runs full prefills (no store, no calibration).
+        floor = make_engine(args, dataclasses.replace(config, dtype=floor_dtype, calibrate=False,
+                                                      store=StoreConfig()))
+    report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens, drift_prompts=args.fit_drift,
+                       floor=floor)
     report["command_args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
     print(table(report))
     if args.json:

@@ -61,3 +61,24 @@ def test_sampling_params_and_token_choice():
     gen = torch.Generator().manual_seed(0)
     picks = {choose_token(logits, SamplingParams(temperature=5.0, top_k=2), gen) for _ in range(50)}
     assert picks == {1, 2}  # top_k keeps the two best, temperature spreads between them
+
+
+def test_the_bench_scores_a_noise_floor_row_as_it_scores_the_strategies(make_tiny_engine, bundled_tokenizer, docs):
+    from kvboost_rag import EngineConfig, KVBoost
+    from kvboost_rag.bench.data import BenchItem
+    from kvboost_rag.bench.run import parse_strategies, run_bench
+    from kvboost_rag.models import LoadedModel
+    from tests.conftest import BARE, tiny_model
+
+    engine = make_tiny_engine()
+    floor = KVBoost(LoadedModel(tiny_model(0).to(torch.bfloat16), bundled_tokenizer, "tiny-random-llama", "seed0"),
+                    EngineConfig(dtype="bfloat16", calibrate=BARE.calibrate, repair=BARE.repair))
+    items = [BenchItem(f"item{i}", tuple(docs[i:] + docs[:i]), "Who founded the brewing company?") for i in range(2)]
+    report = run_bench(engine, items, parse_strategies("full,naive", engine.config.repair), max_new_tokens=4,
+                       progress=False, floor=floor)
+    rows = report["strategies"]
+    assert list(rows) == ["full", "naive", "full (bfloat16)"]
+    assert rows["full"]["first_token_kl"] == 0 and rows["full"]["agreement"] == 1
+    # Another dtype, the same weights: near full, but not full itself; no reuse at all.
+    assert 0 < rows["full (bfloat16)"]["first_token_kl"] < 0.05
+    assert rows["full (bfloat16)"]["reuse_fraction"] == 0
