@@ -201,10 +201,12 @@ class KVBoost:
         bar = tqdm(total=len(docs), desc="ingest", unit="doc", disable=not progress if progress is not None else None)
         for batch in ingestion.batches(docs, self.config.ingest_batch_tokens):
             with self.lock:
-                todo = {doc.doc_id: doc for doc in batch if not self._is_stored(doc)}
+                keys = {doc.doc_id: self._chunk_keys(doc) for doc in batch}
+                todo = {doc.doc_id: doc for doc in batch
+                        if not all(self.store.contains(pkey) for _, (pkey, _) in keys[doc.doc_id])}
                 encoded = dict(zip(todo, self._encode_after_context(list(todo.values())), strict=True))
                 for doc in batch:
-                    self._store_document(doc, pin, encoded.pop(doc.doc_id, None))
+                    self._store_document(doc, keys[doc.doc_id], pin, encoded.pop(doc.doc_id, None))
             bar.update(len(batch))
         bar.close()
         ids = [doc.doc_id for doc in docs]
@@ -250,17 +252,15 @@ class KVBoost:
         doc_id = keyring.content_key(self.fingerprint, token_ids).hex()
         return Document(doc_id, text, tuple(token_ids), tuple(chunks))
 
-    def _is_stored(self, doc: Document) -> bool:
-        return all(self.store.contains(pkey) for _, (pkey, _) in self._chunk_keys(doc))
-
-    def _store_document(self, doc: Document, pin: bool, encoded: ingestion.Encoded | None) -> None:
-        """Store `doc`'s chunks from `encoded` (its tokens after the context and a reader of their K/V; None when
-        it was found stored). Stored only once every chunk is computed: nothing half-computed is ever stored.
-        The context chunks every document shares are written once, not once per document."""
+    def _store_document(self, doc: Document, chunk_keys: list, pin: bool,
+                        encoded: ingestion.Encoded | None) -> None:
+        """Store `doc`'s chunks (`chunk_keys`, from _chunk_keys) from `encoded` (its tokens after the context and a
+        reader of their K/V; None when it was found stored). Stored only once every chunk is computed: nothing
+        half-computed is ever stored. The context chunks every document shares are written once, not once each."""
         self.counters["documents_computed" if encoded is not None else "documents_stored"] += 1
         pinned: list[bytes] = []
         try:
-            for (start, end), (pkey, ckey) in self._chunk_keys(doc):
+            for (start, end), (pkey, ckey) in chunk_keys:
                 if self.store.contains(pkey):
                     if not pin or self.store.is_pinned(pkey):
                         continue

@@ -3,8 +3,8 @@
 Per item, strategies run interleaved (their order rotated from item to item), after a warm-up, and
 each is compared with `full` on the same tokens:
 
-- ttft_ms: call to first-token logits (on a GPU, to when they are computed: see `measured_ttft_ms`); speedup: full's
-  TTFT / this TTFT, median over items.
+- ttft_ms: call to first-token logits (on a GPU, once they are computed: the engine waits for the device);
+  speedup: full's TTFT / this TTFT, median over items.
 - accuracy: an expected answer appears in the output (case-insensitive), where answers exist.
 - agreement: the first `agree_tokens` generated tokens equal full's.
 - first_token_kl / continuation_kl: KL(full || strategy) at the first token, and averaged over
@@ -102,16 +102,6 @@ class Sample:
     metrics: dict = field(default_factory=dict)
 
 
-def measured_ttft_ms(pre) -> float:
-    """The prefill's time to first-token logits. On a GPU the engine's clock stops once the last kernels are queued,
-    before they ran (unless the fidelity guard read the logits), so the bench waits for the device and reads the
-    clock again from the same start."""
-    if pre.logits.device.type != "cuda":
-        return pre.ttft_ms
-    torch.cuda.synchronize(pre.logits.device)
-    return (time.perf_counter() - pre.started) * 1e3
-
-
 def continued_logits(engine: KVBoost, pre, first: torch.Tensor, token_ids) -> torch.Tensor:
     """`first` [1, V] followed by the logits after each of token_ids[:-1] fed to `pre`'s cache."""
     if len(token_ids) < 2:
@@ -134,13 +124,13 @@ def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_ne
         pre = engine.prefill(prompt, spec.strategy, max_new_tokens=max_new_tokens, write_back=False,
                              repair=spec.repair)
         result = list(engine.stream_from(pre, params))[-1].result
-        samples[spec.label] = Sample(measured_ttft_ms(pre), result.text, result.token_ids, pre.prompt_tokens,
+        samples[spec.label] = Sample(pre.ttft_ms, result.text, result.token_ids, pre.prompt_tokens,
                                      pre.recomputed_tokens, pre.reused_tokens, pre.logits[None], result)
         prefills[spec.label] = (engine, pre)
     if floor is not None:  # after the timed strategies: its TTFT is another dtype's, not a rival's
         pre = floor.prefill(prompt, FULL, max_new_tokens=max_new_tokens, write_back=False)
         result = list(floor.stream_from(pre, params))[-1].result
-        samples[floor_label(floor)] = Sample(measured_ttft_ms(pre), result.text, result.token_ids, pre.prompt_tokens,
+        samples[floor_label(floor)] = Sample(pre.ttft_ms, result.text, result.token_ids, pre.prompt_tokens,
                                              pre.recomputed_tokens, pre.reused_tokens, pre.logits[None].float(), result)
         prefills[floor_label(floor)] = (floor, pre)
     # Quality: every strategy's cache scored on full's greedy continuation (teacher forcing).

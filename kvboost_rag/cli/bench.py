@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..bench.data import load_items
 from ..bench.report import plot, table
-from ..bench.run import parse_strategies, run_bench
-from ..config import DTYPE_NAMES, ConfigError, StoreConfig
+from ..bench.run import StrategySpec, parse_strategies, run_bench
+from ..config import DTYPE_NAMES, ConfigError, EngineConfig, StoreConfig
 from .common import add_engine_options, count, engine_config, make_engine, sampling_params
 
 
@@ -36,14 +36,19 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
-def main(args: argparse.Namespace) -> int:
-    # Every setting checked before the items are read or the model is loaded.
+def checked_settings(args: argparse.Namespace) -> tuple[EngineConfig, list[StrategySpec]]:
+    """The engine config and the strategy specs the options give, every setting checked before the items are read
+    or the model is loaded (bench and bench-scaling alike)."""
     sampling_params(max_new_tokens=args.max_new_tokens)
     config = engine_config(args)
     try:
-        specs = parse_strategies(args.strategies, config.repair)
+        return config, parse_strategies(args.strategies, config.repair)
     except ConfigError as e:
         raise ConfigError(e.field, f"argument --strategies: {e}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    config, specs = checked_settings(args)
     items = load_items(args.data, limit=None if args.limit is None else args.skip + args.limit)[args.skip:]
     engine = make_engine(args, config)
     floor_dtype = {"auto": "bfloat16" if config.dtype == "float32" else "float32"}.get(args.noise_floor,

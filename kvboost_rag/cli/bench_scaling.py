@@ -7,10 +7,9 @@ from pathlib import Path
 
 from ..bench.data import load_items
 from ..bench.report import scaling_table, write_scaling
-from ..bench.run import parse_strategies
 from ..bench.scaling import DEFAULT_SIZES, DEFAULT_STRATEGIES, run_scaling
-from ..config import ConfigError
-from .common import add_engine_options, count, engine_config, make_engine, sampling_params
+from .bench import checked_settings
+from .common import add_engine_options, count, make_engine
 
 BUNDLED_SET = Path(__file__).resolve().parents[1] / "bench" / "synthetic_k8.jsonl"
 MIN_SIZE = 16
@@ -49,13 +48,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # Every setting checked before the items are read or the model is loaded.
-    sampling_params(max_new_tokens=args.max_new_tokens)
-    config = engine_config(args)
-    try:
-        specs = parse_strategies(args.strategies, config.repair)
-    except ConfigError as e:
-        raise ConfigError(e.field, f"argument --strategies: {e}") from None
+    config, specs = checked_settings(args)
     items = load_items(args.data)[args.skip:]
     if not items:
         raise ValueError(f"--skip {args.skip} leaves no item of {args.data}")
