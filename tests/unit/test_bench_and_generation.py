@@ -64,15 +64,17 @@ def test_sampling_params_and_token_choice():
 
 
 def test_the_bench_scores_a_noise_floor_row_as_it_scores_the_strategies(make_tiny_engine, bundled_tokenizer, docs):
+    import copy
+
     from kvboost_rag import EngineConfig, KVBoost
     from kvboost_rag.bench.data import BenchItem
     from kvboost_rag.bench.run import parse_strategies, run_bench
     from kvboost_rag.models import LoadedModel
-    from tests.conftest import BARE, tiny_model
 
     engine = make_tiny_engine()
-    floor = KVBoost(LoadedModel(tiny_model(0).to(torch.bfloat16), bundled_tokenizer, "tiny-random-llama", "seed0"),
-                    EngineConfig(dtype="bfloat16", calibrate=BARE.calibrate, repair=BARE.repair))
+    weights = copy.deepcopy(engine.adapter.model).to(torch.bfloat16)  # the same tiny model in bf16
+    floor = KVBoost(LoadedModel(weights, bundled_tokenizer, "tiny-random-llama", "seed0"),
+                    EngineConfig(dtype="bfloat16", calibrate=False, repair=RepairConfig(fidelity="fast")))
     items = [BenchItem(f"item{i}", tuple(docs[i:] + docs[:i]), "Who founded the brewing company?") for i in range(2)]
     report = run_bench(engine, items, parse_strategies("full,naive", engine.config.repair), max_new_tokens=4,
                        progress=False, floor=floor)
