@@ -8,6 +8,9 @@ Layers differ within one model: some slide over a window (Mistral, Qwen2, Gemma,
 (SmolLM3), Gemma 3 rotates local and global layers with different bases. So masks are made per kind of
 layer and RoPE frames per layer; architectures.py says which layer is which.
 
+Concurrent requests decode together (batching.py): `decode_rows` runs the same layers over B sequences at once,
+one new token each, every one at its own position in its own KVBuffers (kvcache.RowsCache).
+
 Tested with transformers 5.24 (the API moved in 5.x: the layers' cache keyword is `cache` from 5.2x,
 `past_key_values` before; both are handled, in `_cache_kw`).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +27,7 @@ from transformers import DynamicCache
 
 from . import architectures as arch
 from .architectures import COMPOSABLE_ROPE, SUPPORTED_MODEL_TYPES, UnsupportedModelError
-from .kvcache import KVBuffers
+from .kvcache import KVBuffers, RowsCache
 
 __all__ = ["COMPOSABLE_ROPE", "SUPPORTED_MODEL_TYPES", "Masks", "ModelAdapter", "UnsupportedModelError"]
 
@@ -188,19 +192,39 @@ class ModelAdapter:
             mask = Masks({kind: None if plain and (window is None or attend_len <= window)
                           else self._mask(positions, attend_len, hidden.dtype, window)
                           for kind, window in self.windows.items()})
-        return self._drive(hidden, positions, cache, layers, mask)
+        frames = self._position_embeddings(positions, hidden, [self.layer_plan[i] for i in layers])
+        return self._drive(hidden, cache, layers, mask, positions[None], frames)
 
-    def _drive(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVBuffers, layers: range,
-               mask: Masks) -> torch.Tensor:
+    def decode_rows(self, hidden: torch.Tensor, positions: torch.Tensor, caches: list[KVBuffers]) -> torch.Tensor:
+        """One new token for each of B sequences, each at its own position in its own cache (batch 1 each): the
+        decoder layers' own forward over all of them at once, each row attending to its own K/V only.
+
+        hidden: [B, 1, H]; positions: [B] long, on the host (where the caller made them) -> hidden: [B, 1, H]."""
+        rows = RowsCache(caches, positions.tolist())
+        b, k_max = len(caches), rows.attend_len
+        positions = positions.to(self.device)
+        # [1, 1, B, K_max] -> [B, 1, 1, K_max]: each row's one query sees its own past (and window), no padding.
+        mask = Masks({kind: self._mask(positions, k_max, hidden.dtype, window).view(b, 1, 1, k_max)
+                      for kind, window in self.windows.items()})
+        # The B positions as one sequence, [1, B, R], moved to the batch axis: [B, 1, R] per table.
+        frames = {table: (cos.transpose(0, 1), sin.transpose(0, 1))
+                  for table, (cos, sin) in self._position_embeddings(positions, hidden, self.layer_plan).items()}
+        return self._drive(hidden, rows, range(self.num_layers), mask, positions[:, None], frames)
+
+    def _position_embeddings(self, positions: torch.Tensor, like: torch.Tensor,
+                             plans: Sequence[arch.Layer]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin [1, S, R] at `positions` [S] for each RoPE table the layers `plans` use."""
+        return {table: self.rope(positions, like, table) for table in {plan.rope for plan in plans} if table}
+
+    def _drive(self, hidden: torch.Tensor, cache, layers: range, mask: Masks, position_ids: torch.Tensor,
+               position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The decoder layers' own forward over `hidden`, with our cache and each layer's mask and RoPE table."""
-        tables = {self.layer_plan[i].rope for i in layers}
-        position_embeddings = {table: self.rope(positions, hidden, table) for table in tables if table is not None}
         for i in layers:
             plan = self.layer_plan[i]
             # A layer without RoPE ignores its position embeddings; it still takes some.
             rope = position_embeddings.get(plan.rope) or next(iter(position_embeddings.values()), None)
             out = self.layers[i](hidden, **{self._cache_kw: cache}, attention_mask=mask.by_kind[plan.attention],
-                                 position_ids=positions[None], position_embeddings=rope, use_cache=True)
+                                 position_ids=position_ids, position_embeddings=rope, use_cache=True)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 

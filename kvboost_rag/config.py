@@ -184,7 +184,8 @@ class StoreConfig:
     file_mode: int = 0o600
     # Shared tier behind memory and disk (store/redis.py), e.g. redis://host:6379/0, so that several processes
     # and machines reuse one store; None = none. Client options go in the URL (?socket_timeout=5). Bound its
-    # size in Redis itself: maxmemory with maxmemory-policy allkeys-lru is safe (an evicted entry is a miss).
+    # size in Redis itself: maxmemory with maxmemory-policy allkeys-lru is safe (an evicted entry is a miss; the
+    # document index, shared there too, is written back by the processes that hold it).
     redis_url: str | None = None
 
     def __post_init__(self):

@@ -11,7 +11,8 @@ something only where the caller can read it: the config must name a store shared
 folder every actor can reach (`StoreConfig.disk_dir`; a network file system across machines) or a Redis
 server (`StoreConfig.redis_url`). Folder writes are atomic and the document index is appended under a file
 lock, so actors writing at once lose nothing; an actor's own memory tier holds nothing (it would only cost
-its RAM).
+its RAM). With Redis the document index is shared there too (store/redis_documents.py), so the caller's
+engine finds the actors' documents in its prompts even without the `ingest` call above.
 
 Calibration (the drift maps and the fidelity guard, calibrate.py) is left to the caller: the actors never
 calibrate, and the caller's `engine.ingest(texts)` above, which computes no KV, fits them when due, once.

@@ -6,8 +6,8 @@
 
 A request: split the prompt into fixed text and ingested documents, plan where each chunk's KV
 comes from (exact prefix hit, approximate content hit, or compute), assemble the cache, run the
-strategy's prefill (which decides what to recompute), then decode. `ttft_ms` covers all of it up
-to the first token's logits.
+strategy's prefill (which decides what to recompute), then decode; concurrent streams' decode steps
+run as one forward (batching.py). `ttft_ms` covers all of it up to the first token's logits.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import batching, drift, fidelity, ingestion, models
 from . import calibrate as calibration
-from . import drift, fidelity, ingestion, models
 from . import keys as keyring
 from .adapter import ModelAdapter
 from .assembly import (
@@ -45,9 +45,9 @@ from .config import EngineConfig, RepairConfig, check_doc_context, check_for_mod
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
 from .repair import Request, get_strategy
-from .store import make_store
+from .store import make_index, make_store
 from .store.base import KVEntry, KVStore
-from .store.documents import Document, DocumentIndex
+from .store.documents import Document
 from .tokens import bos_ids, check_text, eos_ids, tokenizer_digest
 
 Messages = Sequence[dict]
@@ -142,13 +142,15 @@ class KVBoost:
             encoding={"chunking": dataclasses.asdict(config.chunking),
                       "context": [list(tokens) for tokens, _ in self._doc_context]})
         self.store = store if store is not None else make_store(config.store, self.fingerprint)
+        # A file beside the disk tier, shared through Redis when the store has a Redis tier (store/redis_documents.py).
+        self.documents = make_index(config.store, self.fingerprint, self.store)
         disk_dir = config.store.disk_dir
-        self.documents = DocumentIndex(Path(disk_dir) / f"documents-{self.fingerprint[:16]}.jsonl"
-                                       if disk_dir else None, file_mode=config.store.file_mode)
         self._eos_ids = eos_ids(loaded.model, self.tokenizer)
         self._context_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the ingestion context K/V
         # One forward at a time: the model and the store's write-back are shared by all callers.
         self.lock = threading.RLock()
+        # Concurrent streams' decode steps, one forward per round (batching.py); a lone stream is a batch of one.
+        self.batcher = batching.DecodeBatcher(self.adapter, self.lock)
         # What the engine did, for callers and tests: documents computed or found stored, chunks written back.
         self.counters: collections.Counter[str] = collections.Counter()
         # Drift maps fitted on this corpus (fit_drift), read back from the disk tier's folder when saved there.
@@ -410,12 +412,9 @@ class KVBoost:
 
     @torch.inference_mode()
     def decode_step(self, cache: KVBuffers, token_id: int, position: int) -> torch.Tensor:
-        """Append one token at `position`; returns the next-token logits [V]."""
+        """Append one token at `position`, alone (streams decode through `batcher`); the next-token logits [V]."""
         with self.lock:
-            hidden = self.adapter.embed(torch.tensor([token_id]))
-            hidden = self.adapter.run_layers(hidden, torch.tensor([position]), cache,
-                                             range(self.adapter.num_layers), position + 1)
-            return self.adapter.logits(hidden)[-1]
+            return batching.decode(self.adapter, [cache], [token_id], [position])[0]
 
     @torch.inference_mode()
     def continuation_logits(self, pre: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
@@ -456,26 +455,28 @@ class KVBoost:
             guard = fidelity.Guard(self.predictor or fidelity.DEFAULT_PREDICTOR, pre.target)
             guard.survive = 1.0 - pre.risk
         exact_from, risk = (0 if pre.fell_back else None), pre.risk
-        # The lock is taken per step, never across a yield: async callers resume us from other threads.
-        for step in range(params.max_new_tokens):
-            token = choose_token(logits, params, generator)
-            if token in self._eos_ids:
-                finish = "stop"
-                break
-            delta = text.add(token)
-            if text.stopped:
-                finish = "stop"
-                if delta:
-                    yield StreamPiece(delta, token)
-                break
-            yield StreamPiece(delta, token)
-            if step + 1 < params.max_new_tokens:
-                logits = self.decode_step(cache, token, position)
-                position += 1
-                if guard is not None and not guard.trusts(logits):
-                    so_far = torch.cat([pre.plan.token_ids, torch.tensor(text.token_ids)])
-                    cache, logits = self._exact_cache(so_far, pre.cache.capacity)
-                    guard, exact_from, risk = None, step + 1, guard.risk
+        # The lock is taken per step (by the batcher), never across a yield: async callers resume us from
+        # other threads. While it decodes, the stream is counted so that a batch waits for its step.
+        with self.batcher.decoding():
+            for step in range(params.max_new_tokens):
+                token = choose_token(logits, params, generator)
+                if token in self._eos_ids:
+                    finish = "stop"
+                    break
+                delta = text.add(token)
+                if text.stopped:
+                    finish = "stop"
+                    if delta:
+                        yield StreamPiece(delta, token)
+                    break
+                yield StreamPiece(delta, token)
+                if step + 1 < params.max_new_tokens:
+                    logits = self.batcher.step(cache, token, position)
+                    position += 1
+                    if guard is not None and not guard.trusts(logits):
+                        so_far = torch.cat([pre.plan.token_ids, torch.tensor(text.token_ids)])
+                        cache, logits = self._exact_cache(so_far, pre.cache.capacity)
+                        guard, exact_from, risk = None, step + 1, guard.risk
         tail = text.flush()
         result = Generation(
             text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=pre.strategy,

@@ -5,6 +5,9 @@ some of its tokens in place, needs K/V written at arbitrary positions while the 
 keep what was assembled there. The model's attention modules call `update(k, v, layer_idx, ...)`
 on whatever cache they are given; this class answers that call by scattering the new K/V to
 `write_positions` and handing back the buffer up to `attend_len` to attend over.
+
+`RowsCache` answers the same call for a batched decode step (batching.py): B requests, one new token each,
+every request in its own KVBuffers at its own position.
 """
 
 from __future__ import annotations
@@ -64,3 +67,33 @@ class KVBuffers:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.all_keys, self.all_values))
+
+
+class RowsCache:
+    """B sequences decoding one token each, every one in its own KVBuffers (batch 1) at its own position.
+
+    Each layer's update writes row b's new K/V into its own buffers at positions[b] and hands back all rows'
+    K/V padded to one length, K_max = max(positions) + 1, for the attention to mask (adapter.decode_rows).
+    That is a copy of every row's K/V per layer: separate per-request buffers keep the prefill path and the
+    fidelity guard's switch to a fresh exact cache (a stream swapping its KVBuffers mid-answer) untouched,
+    and a decode step's copy is small next to its weight reads.
+    """
+
+    def __init__(self, caches: list[KVBuffers], positions: list[int]):
+        self.caches, self.positions = caches, positions
+        self.attend_len = max(positions) + 1  # K_max
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states, value_states: [B, H_kv, 1, D] -> keys, values: [B, H_kv, K_max, D]."""
+        b, heads, _, d = key_states.shape
+        # Zeros past each row's own position, not empty memory: the buffers' unwritten tail may hold NaN, and a
+        # masked NaN still poisons the softmax (NaN + min is NaN). The mask gives the zeros no weight.
+        keys = key_states.new_zeros(b, heads, self.attend_len, d)
+        values = value_states.new_zeros(b, heads, self.attend_len, d)
+        for row, (cache, position) in enumerate(zip(self.caches, self.positions, strict=True)):
+            own_keys, own_values = cache.keys[layer_idx][0], cache.values[layer_idx][0]  # [H_kv, capacity, D]
+            own_keys[:, position] = key_states[row, :, 0]
+            own_values[:, position] = value_states[row, :, 0]
+            keys[row, :, :position + 1] = own_keys[:, :position + 1]
+            values[row, :, :position + 1] = own_values[:, :position + 1]
+        return keys, values

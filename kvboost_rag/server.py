@@ -8,20 +8,26 @@
                                    extra_body={"strategy": "cacheblend"})
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (both with `stream`, as
-Server-Sent Events ending with `data: [DONE]`), `GET /health`, and one extension, `POST /v1/documents`
-({"documents": [str, ...], "pin": bool} -> their ids), to ingest documents before the requests that
-quote them. A request may pick the reuse strategy with the extra field `strategy` (the openai client's
-`extra_body`); every response carries, next to OpenAI's `usage`, a `kvboost` object with the request's
-figures (ttft_ms, reused_tokens, exact_tokens, recomputed_tokens, strategy, total_ms, and the fidelity
+Server-Sent Events ending with `data: [DONE]`), `GET /health`, `GET /metrics` (Prometheus text), and one
+extension, `POST /v1/documents` ({"documents": [str, ...], "pin": bool} -> their ids), to ingest documents
+before the requests that quote them. A request may pick the reuse strategy with the extra field `strategy`
+(the openai client's `extra_body`); every response carries, next to OpenAI's `usage`, a `kvboost` object with
+the request's figures (ttft_ms, reused_tokens, exact_tokens, recomputed_tokens, strategy, total_ms, and the fidelity
 guard's fidelity_estimate, fell_back and exact_from); `fidelity` picks the guard's level per request.
+`usage.prompt_tokens_details.cached_tokens` is OpenAI's name for the reused tokens.
+
+`create_app(engine, api_key=...)` makes every /v1/* route and /metrics require `Authorization: Bearer KEY`
+(/health stays open); `max_requests` bounds the requests running the model at once. Both, and the metrics,
+are in server_gate.py.
 
 Errors come in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad input
 (what the engine refuses with a ValueError, or what this server does not support), 404 for another
-model's name or an unknown route.
+model's name or an unknown route, 401 for a missing or wrong API key (code "invalid_api_key"), 429 when
+`max_requests` requests are in flight already (code "queue_full", with a Retry-After header).
 
-Every engine step (the prefill, then one decode step) runs on the engine's worker thread
-(`serving.astream_pieces`), so the event loop stays free and concurrent requests interleave token
-by token; a stream whose client goes away is closed after the step it is in.
+Every engine step (the prefill, then one decode step) runs on a worker thread of the engine's pool
+(`serving.astream_pieces`), so the event loop stays free, and concurrent requests' decode steps run as one
+batched forward (`batching.py`); a stream whose client goes away is closed after the step it is in.
 """
 
 from __future__ import annotations
@@ -38,12 +44,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from .config import ConfigError
 from .engine import Generation, KVBoost, StreamPiece
+from .server_gate import DEFAULT_MAX_REQUESTS, Gate, ServerMetrics, error_body
 from .serving import astream_pieces
 
 # OpenAI's default is "up to the context window"; the engine reserves room for the answer before the
@@ -130,10 +137,6 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
-def _error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
 def _refuse_unsupported(request: _Sampling) -> None:
     if request.n not in (None, 1):
         raise APIError(400, f"n={request.n} is not supported: this server returns one choice per request; "
@@ -206,7 +209,8 @@ def _call(request: _Sampling, prompt: str | list[dict], max_tokens: int | None) 
 
 def _usage(result: Generation) -> dict:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.generated_tokens,
-            "total_tokens": result.prompt_tokens + result.generated_tokens}
+            "total_tokens": result.prompt_tokens + result.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.reused_tokens}}
 
 
 def _figures(result: Generation) -> dict:
@@ -252,7 +256,7 @@ CHAT, TEXT = _Kind(chat=True), _Kind(chat=False)
 
 
 def _pieces(engine: KVBoost, call: Call) -> Iterator[StreamPiece]:
-    # Called on the engine's worker thread at the first step: the checks and the prefill never block the loop.
+    # Called on an engine worker thread at the first step: the checks and the prefill never block the loop.
     options = dict(call.options)
     if "fidelity" in options:  # a ConfigError (400) names the field when the value is out of range
         options["repair"] = dataclasses.replace(engine.config.repair, fidelity=options.pop("fidelity"))
@@ -290,8 +294,8 @@ class _ClosingStream(StreamingResponse):
 class _Server:
     """The routes' work over one engine; create_app binds it to FastAPI."""
 
-    def __init__(self, engine: KVBoost, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: KVBoost, model_name: str, metrics: ServerMetrics):
+        self.engine, self.model_name, self.metrics = engine, model_name, metrics
         self.created = int(time.time())
         self.fingerprint = f"kvboost-{engine.fingerprint[:16]}"
 
@@ -323,6 +327,7 @@ class _Server:
             result = first.result
             async for piece in pieces:
                 result = piece.result or result
+        self.metrics.observe(result)
         return {**self._head(kind.object, request_id, created),
                 "choices": [kind.choice(result.text, result.finish_reason)], "usage": _usage(result),
                 "kvboost": _figures(result)}
@@ -342,8 +347,9 @@ class _Server:
                         yield _sse({**head, "choices": [kind.delta(piece.text)], **usage})
                     result = piece.result or result
             except ValueError as e:  # after the first event no status can be sent: the error is an event
-                yield _sse(_error_body(*_describe(e)[1:]))
+                yield _sse(error_body(*_describe(e)[1:]))
                 return
+            self.metrics.observe(result)
             yield _sse({**head, "choices": [kind.delta(None, result.finish_reason)], **usage,
                         "kvboost": _figures(result)})
             if call.include_usage:
@@ -383,36 +389,52 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(_error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
 
     @app.exception_handler(ValueError)
     async def bad_input(_: Request, e: ValueError) -> JSONResponse:
         status, message, type, param = _describe(e)
-        return JSONResponse(_error_body(message, type, param), status_code=status)
+        return JSONResponse(error_body(message, type, param), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(e)
-        return JSONResponse(_error_body(message, "invalid_request_error", param), status_code=400)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(_error_body(str(e.detail), kind), status_code=e.status_code)
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
 
 
 # ---- the app ---------------------------------------------------------------------------------------
 
 
-def create_app(engine: KVBoost, *, model_name: str | None = None) -> FastAPI:
-    """An OpenAI-compatible app serving `engine` under `model_name` (default: the engine's model id)."""
-    server = _Server(engine, model_name or engine.model_id)
+def create_app(engine: KVBoost, *, model_name: str | None = None, api_key: str | None = None,
+               max_requests: int = DEFAULT_MAX_REQUESTS) -> FastAPI:
+    """An OpenAI-compatible app serving `engine` under `model_name` (default: the engine's model id).
+
+    api_key: when given, the bearer token every /v1/* route and /metrics require (None: no key).
+    max_requests: the requests running the model at once (prefill or decoding, streamed or not); one more gets 429.
+    """
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is empty: give a key, or None for no key")
+    if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
+        raise ValueError(f"max_requests must be a whole number >= 1, got {max_requests!r}")
+    metrics = ServerMetrics(engine, max_requests)
+    server = _Server(engine, model_name or engine.model_id, metrics)
     app = FastAPI(title="kvboost-rag", summary="OpenAI-compatible API over reused document KV caches")
     _install_error_handlers(app)
+    app.add_middleware(Gate, routes=app.router.routes, metrics=metrics, api_key=api_key, max_requests=max_requests)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": server.model_name}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -5,11 +5,12 @@ use it (what the LLM classes share beyond that is in `llm.py`).
 Several LLM objects (one per chain, per temperature, per framework...) must not load the model, nor
 keep separate KV stores, more than once: `shared_engine` hands every caller the same `KVBoost`.
 
-`astream_pieces` runs each step of `KVBoost.stream` (the prefill, then one decode step) on a
-single worker thread per engine, so the event loop never blocks on the model and concurrent
-requests interleave token by token in arrival order. The engine already holds its own lock per
-forward; the single worker only keeps the queue fair and lets a cancelled stream be closed after
-the step it is in finishes.
+`astream_pieces` runs each step of `KVBoost.stream` (the prefill, then one decode step) on a worker
+thread of a pool per engine (up to WORKERS of them), so the event loop never blocks on the model and concurrent
+requests are in their decode steps at the same time: the engine's batcher (batching.py) runs those steps as
+one forward. A stream's own steps run one after another (the next is submitted once the last is back), and a
+cancelled stream is closed once the step it is in finishes, never while it runs (a generator cannot be closed
+while executing). The engine holds its own lock per forward, so prefills and batches still take turns.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ _ENGINES: dict[tuple[str, str, str, str], KVBoost] = {}
 _LOCK = threading.Lock()
 _WORKERS: weakref.WeakKeyDictionary[KVBoost, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 _DONE = object()
+# Streams stepped at once per engine: more than a decode batch usefully holds; further ones queue for a worker.
+WORKERS = 32
 
 
 def model_key(model: str | None) -> str:
@@ -68,7 +71,7 @@ def _worker(engine: KVBoost) -> ThreadPoolExecutor:
     with _LOCK:
         pool = _WORKERS.get(engine)
         if pool is None:
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost")
+            pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvboost")
             _WORKERS[engine] = pool
         return pool
 
@@ -76,15 +79,24 @@ def _worker(engine: KVBoost) -> ThreadPoolExecutor:
 async def astream_pieces(engine: KVBoost, stream: Iterator[StreamPiece]) -> AsyncIterator[StreamPiece]:
     """Iterate `stream` (made by `engine.stream`) without blocking the event loop."""
     pool = _worker(engine)
+    step = None  # the step in flight, if any
     try:
         while True:
-            piece = await asyncio.wrap_future(pool.submit(next, stream, _DONE))
+            step = pool.submit(next, stream, _DONE)
+            piece = await asyncio.wrap_future(step)
             if piece is _DONE:
                 return
             yield piece
     finally:
-        # Queued behind any step still running (one worker), so a cancelled stream is closed safely.
-        pool.submit(stream.close)
+        # A cancelled stream may be inside a step on a worker: close it once that step is done (a step that never
+        # started was cancelled with the await, and is done).
+        def close(_=None) -> None:
+            pool.submit(stream.close)
+
+        if step is None:
+            close()
+        else:
+            step.add_done_callback(close)  # runs at once when the step is done already
 
 
 _SCOPES: weakref.WeakKeyDictionary[KVBoost, str] = weakref.WeakKeyDictionary()

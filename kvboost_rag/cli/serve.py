@@ -3,21 +3,29 @@
     kvboost-rag serve --store kv/ --documents corpus.jsonl --port 8000
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
 
-Needs the `serve` extra (FastAPI, uvicorn): pip install 'kvboost-rag[serve]'. See kvboost_rag/server.py
-for the routes.
+With --api-key KEY (or the environment variable KVBOOST_API_KEY) every /v1/* route and /metrics require
+`Authorization: Bearer KEY` (the openai client's api_key); /health stays open. --max-requests bounds the
+requests running the model at once: one more gets 429 with Retry-After.
+
+Needs the `serve` extra (FastAPI, uvicorn, prometheus-client): pip install 'kvboost-rag[serve]'. See
+kvboost_rag/server.py for the routes and kvboost_rag/server_gate.py for the key, the bound and the metrics.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from .common import add_engine_options, engine_config, make_engine, read_documents
 
 # The packages the server needs beyond the base install, by the top-level name an ImportError gives.
-_SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "pydantic"}
+_SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "pydantic", "prometheus_client"}
+# The same as server_gate.DEFAULT_MAX_REQUESTS, which cannot be imported before the serve extra is checked.
+_DEFAULT_MAX_REQUESTS = 64
+_API_KEY_ENV = "KVBOOST_API_KEY"
 _INSTALL_HINT = "pip install 'kvboost-rag[serve]'"
 
 
@@ -31,6 +39,12 @@ def add_parser(sub) -> None:
                    help="documents to ingest before serving: a .jsonl file (one JSON string, {\"text\": ...} or "
                         "{\"documents\": [...]} a line), or text files and folders of them (one document a file)")
     p.add_argument("--pin", action="store_true", help="never evict the --documents from memory")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every /v1/* route and /metrics (401 otherwise; "
+                        f"/health stays open); default: the environment variable {_API_KEY_ENV}, else no key")
+    p.add_argument("--max-requests", type=_positive, default=_DEFAULT_MAX_REQUESTS, metavar="N",
+                   help="requests running the model at once (prefill or decoding, streamed or not); one more gets "
+                        "429 with Retry-After (default: %(default)s)")
     add_engine_options(p)
     # The engine options call the disk tier's folder --store, as every subcommand does; --disk-dir is its alias.
     p.add_argument("--disk-dir", dest="store", type=Path, default=None, help="the same as --store")
@@ -41,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
     # Every setting, the documents and the server's packages checked before the model is loaded.
     config = engine_config(args)
     docs = read_corpus(args.documents)
+    api_key = _api_key(args.api_key)
     try:
         import uvicorn
 
@@ -58,7 +73,9 @@ def main(args: argparse.Namespace) -> int:
             c = engine.counters
             print(f"documents {len(ids)} (computed {c['documents_computed']}, already stored "
                   f"{c['documents_stored']})")
-        uvicorn.run(create_app(engine, model_name=args.model_name), host=args.host, port=args.port)
+        app = create_app(engine, model_name=args.model_name, api_key=api_key,
+                         max_requests=args.max_requests)
+        uvicorn.run(app, host=args.host, port=args.port)
     finally:
         engine.close()  # writes the disk tier's index
     return 0
@@ -72,6 +89,25 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text!r}")
     return port
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _api_key(given: str | None) -> str | None:
+    """--api-key, else the environment's key (set but empty: no key); an empty --api-key is refused."""
+    if given is not None:
+        if not given.strip():
+            raise ValueError("--api-key is empty: give a key, or leave the option out for none")
+        return given.strip()
+    return os.environ.get(_API_KEY_ENV, "").strip() or None
 
 
 def read_corpus(paths: list[Path]) -> list[str]:

@@ -8,7 +8,7 @@ from kvboost_rag.store.folder import PruneReport, VerifyReport, prune_dir, verif
 from kvboost_rag.store.memory import MemoryStore, eviction_score
 from kvboost_rag.store.quant import QuantizedKV, StoredEntry, dequantize_kv, quantize_kv
 from kvboost_rag.store.redis import RedisStore, StoreUnavailableWarning
-from kvboost_rag.store.tiered import TieredStore, make_store
+from kvboost_rag.store.tiered import TieredStore, make_index, make_store
 
 __all__ = [
     "DiskStore",
@@ -26,6 +26,7 @@ __all__ = [
     "VerifyReport",
     "dequantize_kv",
     "eviction_score",
+    "make_index",
     "make_store",
     "prune_dir",
     "quantize_kv",

@@ -13,6 +13,9 @@ warning per file, and the document is tokenized again when next ingested. Append
 (so `store prune` can compact it without losing one), start on a fresh line after a torn last line, and
 roll back a write cut short. An unwritable folder keeps new records in memory, warned about once, and
 writes them with the next one that succeeds.
+
+With a Redis tier the same records are shared through Redis as well (`shared`, see redis_documents.py): read
+in full when the index is made, and before each prompt's lookup whatever other processes added since.
 """
 
 from __future__ import annotations
@@ -64,9 +67,10 @@ class Span:
 
 class DocumentIndex:
     """Thread-safe registry of ingested documents; persisted as checksummed JSON lines when given a file
-    (written with permissions `file_mode`)."""
+    (written with permissions `file_mode`), and shared with other processes when given `shared` (a
+    redis_documents.RedisDocuments: `hold(docs)`, `pull() -> new docs`, `push(doc)`, `flush()`)."""
 
-    def __init__(self, path: Path | None = None, file_mode: int = DEFAULT_FILE_MODE):
+    def __init__(self, path: Path | None = None, file_mode: int = DEFAULT_FILE_MODE, shared=None):
         self._by_text: dict[str, Document] = {}
         self._by_anchor: dict[str, list[Document]] = {}
         self._short: list[Document] = []
@@ -76,6 +80,10 @@ class DocumentIndex:
         self._unwritten: list[bytes] = []  # records the folder did not take yet; written with the next add
         if self._path is not None:
             self._load(self._path)
+        self._shared = shared
+        if shared is not None:
+            shared.hold(list(self._by_text.values()))  # the file's documents, shared where Redis lacks them
+            self._merge(shared.pull())
 
     def __len__(self) -> int:
         return len(self._by_text)
@@ -95,12 +103,25 @@ class DocumentIndex:
             if self._path is not None:
                 self._unwritten.append(encode_record(doc))
                 self._write_unwritten()
+        if self._shared is not None:
+            self._shared.push(doc)
 
     def flush(self) -> None:
-        """Write the records an unwritable folder did not take yet (each add tries too); call before exit."""
+        """Write the records an unwritable folder (or an unreachable Redis) did not take yet (each add tries
+        too); call before exit."""
         with self._lock:
             if self._unwritten:
                 self._write_unwritten()
+        if self._shared is not None:
+            self._shared.flush()
+
+    def _merge(self, docs: list[Document]) -> None:
+        """Other processes' documents, each under its text unless this index has that text already."""
+        if docs:
+            with self._lock:
+                for doc in docs:
+                    if doc.text not in self._by_text:
+                        self._insert(doc)
 
     def _write_unwritten(self) -> None:
         try:
@@ -138,7 +159,11 @@ class DocumentIndex:
                           StoreIntegrityWarning, stacklevel=3)
 
     def find(self, prompt: str) -> list[Span]:
-        """Non-overlapping spans of ingested documents in `prompt`, left to right, longest first."""
+        """Non-overlapping spans of ingested documents in `prompt`, left to right, longest first. Shared
+        through Redis, the documents other processes added since the last lookup are read first (one round trip
+        when there are none)."""
+        if self._shared is not None:
+            self._merge(self._shared.pull())
         candidates: list[Span] = []
         anchors = self._by_anchor
         for i in range(len(prompt) - ANCHOR + 1):

@@ -28,7 +28,7 @@ from kvboost_rag.store.files import TEMP_SUFFIX, _mtime, _stat, is_locked
 _KINDS = (
     ("entry", re.compile(r"(?:[0-9a-f]{2})+\.safetensors")),
     ("drift", re.compile(r"drift-[0-9a-f]{16}\.safetensors")),  # drift.save, named by the engine
-    ("documents", re.compile(r"documents-[0-9a-f]{16}\.jsonl")),  # DocumentIndex, named by the engine
+    ("documents", re.compile(r"documents-[0-9a-f]{16}\.jsonl")),  # DocumentIndex, named by make_index
     ("index", re.compile(r"index-[0-9a-f]{16}\.json")),  # DiskStore's own index
 )
 

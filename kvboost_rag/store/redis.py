@@ -22,7 +22,13 @@ Size and lifetime are Redis's business: set `maxmemory` and `maxmemory-policy al
 Eviction is safe: an evicted entry is a miss and its chunk is recomputed; a content pointer whose entry
 was evicted is a miss too (and the pointer is dropped); an evicted pointer only loses find_content hits
 until an entry with those tokens is put again. `remove` deletes the entry and leaves its pointer to be
-dropped the same way.
+dropped the same way. No key has a TTL, so `volatile-*` policies evict nothing: use an `allkeys-` one.
+
+The document index lives beside the entries, in one hash (`kvboost:{fingerprint[:16]}:documents`, see
+redis_documents.py) that every process reads on each lookup, so LRU keeps it. An evicted index costs no
+answer: running processes keep their documents in memory and write them back on their next lookup; a process
+started meanwhile does not find them in its prompts until then or until they are ingested again. KV entries
+without index records are harmless (evicted in their turn).
 
 The `redis` client is imported when a RedisStore is made, so the rest of kvboost-rag works without it.
 """
@@ -205,10 +211,10 @@ class RedisStore(StoredFormStore):
             if first:
                 warnings.warn(
                     f"kvboost-rag: cannot {doing} the Redis store at {self.url} ({type(e).__name__}: {e}). Answers "
-                    "are not affected: what it holds is recomputed when needed and new KV stays in this process's "
-                    "faster tiers. Every later call tries again; check that the server is up and reachable, and "
-                    "that it has memory (maxmemory-policy allkeys-lru lets it evict). Further failures are logged, "
-                    "not warned.",
+                    "are not affected: what it holds is recomputed when needed, and new KV and documents stay in "
+                    "this process's faster tiers. Every later call tries again; check that the server is up and "
+                    "reachable, and that it has memory (maxmemory-policy allkeys-lru lets it evict). Further failures "
+                    "are logged, not warned.",
                     StoreUnavailableWarning,
                     stacklevel=4,
                 )

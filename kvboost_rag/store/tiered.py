@@ -12,14 +12,17 @@ outages (store/redis.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from kvboost_rag.config import StoreConfig
 from kvboost_rag.store.base import KVEntry, KVStore
 from kvboost_rag.store.disk import DiskStore
+from kvboost_rag.store.documents import DocumentIndex
 from kvboost_rag.store.files import write_failed
 from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.quant import StoredEntry, decode_entry, encode_entry
 from kvboost_rag.store.redis import RedisStore
+from kvboost_rag.store.redis_documents import RedisDocuments
 
 
 class TieredStore(KVStore):
@@ -117,3 +120,12 @@ def make_store(config: StoreConfig, fingerprint: str) -> KVStore:
     if config.redis_url is not None:
         redis = RedisStore(config.redis_url, fingerprint, kv_bits=config.kv_bits, group_size=config.group_size)
     return TieredStore(memory, disk, redis)
+
+
+def make_index(config: StoreConfig, fingerprint: str, store: KVStore) -> DocumentIndex:
+    """The document index beside `store`: a file in `disk_dir` when set, and shared through Redis (see
+    redis_documents.py) when `store` has a Redis tier (or is one)."""
+    path = Path(config.disk_dir) / f"documents-{fingerprint[:16]}.jsonl" if config.disk_dir else None
+    redis = store if isinstance(store, RedisStore) else getattr(store, "redis", None)
+    shared = RedisDocuments(redis, fingerprint) if isinstance(redis, RedisStore) else None
+    return DocumentIndex(path, file_mode=config.file_mode, shared=shared)

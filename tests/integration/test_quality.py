@@ -71,12 +71,13 @@ def test_drift_correction_brings_reused_documents_closer_to_a_full_prefill(real_
 
     engine = real_engine
     items = load_items(bundled("synthetic_calib"))
-    engine.fit_drift([d for item in items[:24] for d in item.documents], prompts=24)  # as the bench does
+    # 12 prompts of 8 documents from 12 items' documents (the bench fits 24: a test needs the direction only).
+    engine.fit_drift([d for item in items[:12] for d in item.documents], prompts=12)
     bare = RepairConfig(fidelity="fast")
     runs = {"naive": replace(bare, recompute_ratio=0.0, drift=False), "mapped": replace(bare, recompute_ratio=0.0),
             "cacheblend": replace(bare, drift=False), "cacheblend+drift": bare}
     # Held out: none of their documents is in the fit.
     cont, first = kl_against_full(engine, items[24:28], {name: ("cacheblend", r) for name, r in runs.items()})
-    # Measured here: continuation 0.440 -> 0.402 at naive's cost; first token 0.114 -> 0.061 under cacheblend.
+    # Measured here: continuation 0.353 -> 0.210 at naive's cost; first token 0.064 -> 0.030 under cacheblend.
     assert cont["mapped"] < cont["naive"], (cont, first)
     assert first["cacheblend+drift"] < 0.8 * first["cacheblend"], (cont, first)

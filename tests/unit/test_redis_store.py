@@ -1,5 +1,7 @@
 """RedisStore (the shared tier) against a real redis-server: round trips, sharing between stores, engines and
-processes, values that must not be served, and a server that goes away."""
+processes, values that must not be served, and a server that goes away; and the document index shared through
+it (RedisDocuments): what a fresh engine finds without ingesting, records that must not be used, eviction, an
+outage."""
 
 from __future__ import annotations
 
@@ -18,12 +20,17 @@ import redis
 import torch
 
 from kvboost_rag import EngineConfig, StoreConfig
+from kvboost_rag.assembly import APPROX, EXACT
+from kvboost_rag.chunking import Chunk
 from kvboost_rag.config import ConfigError
+from kvboost_rag.keys import content_key
+from kvboost_rag.store.documents import Document, DocumentIndex, encode_record
 from kvboost_rag.store.entries import StoreIntegrityWarning, entry_bytes
 from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.quant import StoredEntry, encode_entry
 from kvboost_rag.store.redis import RedisStore, StoreUnavailableWarning
-from kvboost_rag.store.tiered import TieredStore, make_store
+from kvboost_rag.store.redis_documents import RedisDocuments
+from kvboost_rag.store.tiered import TieredStore, make_index, make_store
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 FP = "0123456789abcdef" + "a" * 16  # an engine's fingerprint is hex; keys use its first 16 characters
@@ -384,3 +391,200 @@ def test_engines_share_documents_through_redis(redis_url, make_tiny_engine, docs
     assert got.reused_tokens == want.reused_tokens > 0
     assert torch.equal(got.logits, want.logits)
     assert second.store.stats()["redis"]["hits"] > 0
+
+
+# -- the document index, shared ------------------------------------------------------------------------
+
+DOCS_KEY = f"kvboost:{FP[:16]}:documents"
+NEW_DOC = ("The Orsund ferry crosses the strait between Kelby and Farnholm four times a day. It carries 300 "
+           "passengers and 60 cars, and the crossing takes fifty minutes in calm weather.")
+
+
+def _doc(i: int, fp: str = FP) -> Document:
+    """A document whose id is its tokens' content key under `fp`, as an engine makes it."""
+    tokens = tuple(range(100 * i, 100 * i + 40 + i))
+    return Document(content_key(fp, tokens).hex(), f"Document {i}: " + "words of some length " * 3, tokens,
+                    (Chunk(0, 20), Chunk(20, len(tokens))))
+
+
+def _shared_index(url: str, fp: str = FP, path: Path | None = None) -> DocumentIndex:
+    return DocumentIndex(path, shared=RedisDocuments(RedisStore(url, fp), fp))
+
+
+def _commands(index: DocumentIndex) -> list[str]:
+    """The names of the commands `index` sends to Redis from now on (pipelines aside)."""
+    client, sent = index._shared._client, []
+    send = client.execute_command
+
+    def counted(*args, **options):
+        sent.append(str(args[0]).upper())
+        return send(*args, **options)
+
+    client.execute_command = counted
+    return sent
+
+
+def test_indexes_share_documents_through_redis(redis_url, raw):
+    first = _shared_index(redis_url)
+    for i in (0, 1):
+        first.add(_doc(i))
+    # The layout other tools see: each record as the index file's line, a version, a log of what came when.
+    assert raw.hget(DOCS_KEY, _doc(0).doc_id) == encode_record(_doc(0))
+    assert raw.hget(DOCS_KEY, "version") == b"2" and raw.hget(DOCS_KEY, "#2") == _doc(1).doc_id.encode()
+    second = _shared_index(redis_url)  # another process, which ingested nothing: it knows both at once
+    assert len(second) == 2 and second.get(_doc(0).text) == _doc(0) and second.get(_doc(1).text) == _doc(1)
+    # Nothing new: one lookup costs one round trip, whatever the corpus.
+    sent = _commands(second)
+    assert second.find(f"x {_doc(0).text} y")[0].document == _doc(0) and sent == ["HMGET"]
+    # A document added later is found by the next lookup: the version moved, the log says which record to read.
+    first.add(_doc(2))
+    assert second.get(_doc(2).text) is None
+    spans = second.find(f"{_doc(1).text} and {_doc(2).text}")
+    assert [span.document for span in spans] == [_doc(1), _doc(2)] and sent.count("HKEYS") == 0
+    # The same record again costs nothing: no version bump, nobody reads anything.
+    RedisDocuments(RedisStore(redis_url, FP), FP).push(_doc(2))
+    assert raw.hget(DOCS_KEY, "version") == b"3"
+    assert second._shared.stats()["read"] == 3 and second._shared.stats()["bad"] == 0
+    assert RedisDocuments(RedisStore(redis_url, "f" * 32), "f" * 32).pull() == []  # another model's namespace
+
+
+def test_a_files_documents_are_shared(redis_url, tmp_path):
+    path = tmp_path / f"documents-{FP[:16]}.jsonl"
+    DocumentIndex(path).add(_doc(0))  # ingested before the store had a Redis tier
+    both = _shared_index(redis_url, path=path)
+    assert len(both) == 1
+    assert _shared_index(redis_url).get(_doc(0).text) == _doc(0)  # found missing in Redis, so written there
+
+
+def _flip_text(record: bytes) -> bytes:
+    return record.replace(b"Document", b"Dokument", 1)
+
+
+def _not_json(record: bytes) -> bytes:
+    return record[: len(record) // 2]
+
+
+@pytest.mark.parametrize(("damage", "problem"), [(_flip_text, "checksum"), (_not_json, "not a JSON record"),
+                                                 (lambda record: b"\xff\xfe", "not UTF-8")])
+def test_a_damaged_document_record_is_skipped_warned_and_deleted(redis_url, raw, damage, problem):
+    first = _shared_index(redis_url)
+    for i in (0, 1):
+        first.add(_doc(i))
+    field = _doc(0).doc_id
+    raw.hset(DOCS_KEY, field, damage(raw.hget(DOCS_KEY, field)))
+    with pytest.warns(StoreIntegrityWarning, match=problem) as record:
+        second = _shared_index(redis_url)
+    assert len(record) == 1 and field in str(record[0].message) and "tokenized again" in str(record[0].message)
+    assert second.get(_doc(0).text) is None and second.get(_doc(1).text) == _doc(1)  # never used; the rest is
+    assert not raw.hexists(DOCS_KEY, field) and second._shared.stats()["bad"] == 1
+    second.add(_doc(0))  # ingested again: its record is written again
+    assert raw.hget(DOCS_KEY, field) == encode_record(_doc(0))
+
+
+def test_records_of_another_model_or_under_another_id_are_not_used(redis_url, raw):
+    first = _shared_index(redis_url)
+    first.add(_doc(1))
+    # FOREIGN_FP shares the 16 characters of the key: only the content key under the full fingerprint tells.
+    RedisDocuments(RedisStore(redis_url, FOREIGN_FP), FOREIGN_FP).push(_doc(0, FOREIGN_FP))
+    with pytest.warns(StoreIntegrityWarning, match="content key"):
+        assert first.find(_doc(0, FOREIGN_FP).text) == []  # read from the log by a lookup, refused there
+    assert not raw.hexists(DOCS_KEY, _doc(0, FOREIGN_FP).doc_id)
+    raw.hset(DOCS_KEY, _doc(2).doc_id, encode_record(_doc(1)))  # a sound record under another document's id
+    with pytest.warns(StoreIntegrityWarning, match="another id"):
+        second = _shared_index(redis_url)
+    assert len(second) == 1 and second.get(_doc(1).text) == _doc(1)
+    assert not raw.hexists(DOCS_KEY, _doc(2).doc_id) and raw.hexists(DOCS_KEY, _doc(1).doc_id)
+
+
+def test_an_evicted_index_is_written_back(redis_url, raw):
+    first = _shared_index(redis_url)
+    for i in (0, 1):
+        first.add(_doc(i))
+    raw.delete(DOCS_KEY)  # what maxmemory's eviction (or FLUSHDB) does to it
+    late = _shared_index(redis_url)
+    assert len(late) == 0  # started meanwhile: it does not know them yet
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert first.find(_doc(0).text)  # its next lookup finds the hash gone and writes what it holds back
+    assert late.find(_doc(1).text)[0].document == _doc(1) and len(late) == 2
+    assert len(_shared_index(redis_url)) == 2
+
+
+def test_make_index_shares_only_with_a_redis_tier(redis_url, tmp_path):
+    assert make_index(StoreConfig(), FP, make_store(StoreConfig(), FP))._shared is None
+    config = StoreConfig(disk_dir=redis_url)  # as --store redis://...
+    index = make_index(config, FP, make_store(config, FP))
+    assert index._shared.key == DOCS_KEY and index._path is None
+
+
+@pytest.mark.parametrize("strategy", ["naive", "cacheblend"])
+def test_a_fresh_engine_finds_the_documents_another_ingested(redis_url, make_tiny_engine, docs, rag_prompt,
+                                                               strategy):
+    config = EngineConfig(store=StoreConfig(disk_dir=redis_url))
+    prompt = rag_prompt(docs, "Who founded the brewery?")
+    first = make_tiny_engine(config)
+    first.ingest(docs)
+    want = first.prefill(prompt, strategy, write_back=False)
+    # Another process on the same Redis that ingests nothing: it knows every document and reuses their KV.
+    second = make_tiny_engine(config)
+    assert len(second.documents) == len(docs)
+    got = second.prefill(prompt, strategy, write_back=False)
+    doc_tokens = sum(len(second.documents.get(text).token_ids) for text in docs)
+    reused = sum(len(c.token_ids) for c in got.plan.chunks if c.is_document and c.source in (EXACT, APPROX))
+    assert reused >= 0.9 * doc_tokens
+    assert got.reused_tokens == want.reused_tokens > 0 and torch.equal(got.logits, want.logits)
+    assert second.counters["documents_computed"] == 0 and second.store.stats()["redis"]["hits"] > 0
+    # A document the first ingests now is found by the second's next request.
+    first.ingest([NEW_DOC])
+    assert second.documents.get(NEW_DOC) is None
+    later = second.plan(rag_prompt([NEW_DOC, *docs], "How long is the crossing?"), strategy)
+    new_tokens = len(first.documents.get(NEW_DOC).token_ids)
+    found = [c for c in later.chunks if c.is_document and c.source in (EXACT, APPROX)]
+    assert sum(len(c.token_ids) for c in found) >= 0.9 * (doc_tokens + new_tokens)
+    assert second.documents.get(NEW_DOC) == first.documents.get(NEW_DOC)
+    assert second.counters["documents_computed"] == 0
+
+
+def test_a_damaged_record_is_refused_by_an_engine(redis_url, raw, make_tiny_engine, docs):
+    config = EngineConfig(store=StoreConfig(redis_url=redis_url))
+    first = make_tiny_engine(config)
+    first.ingest(docs)
+    key, field = f"kvboost:{first.fingerprint[:16]}:documents", first.documents.get(docs[0]).doc_id
+    good = raw.hget(key, field)
+    raw.hset(key, field, good.replace(b"Halvorsen", b"Halvorsan", 1))  # what it feeds the model, edited
+    with pytest.warns(StoreIntegrityWarning, match="checksum"):
+        second = make_tiny_engine(config)
+    assert second.documents.get(docs[0]) is None and all(second.documents.get(d) for d in docs[1:])
+    second.ingest(docs)  # tokenized again, its KV found stored: nothing computed, the record written again
+    assert second.counters["documents_computed"] == 0 and second.counters["documents_stored"] == len(docs)
+    assert second.documents.get(docs[0]) == first.documents.get(docs[0]) and raw.hget(key, field) == good
+
+
+def test_an_index_survives_a_killed_server(tmp_path, make_tiny_engine, docs, rag_prompt):
+    proc, url = _start_server(tmp_path)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    try:
+        config = EngineConfig(store=StoreConfig(redis_url=url))
+        prompt = rag_prompt(docs, "Who founded the brewery?")
+        first = make_tiny_engine(config)
+        first.ingest(docs[:3])
+        second = make_tiny_engine(config)
+        assert len(second.documents) == 3
+        _stop(proc)
+        with pytest.warns(StoreUnavailableWarning):
+            first.ingest(docs[3:])  # computed; its record kept in memory, unwritten
+            out = second.generate(prompt, max_new_tokens=4)  # recomputed from scratch, no exception
+        assert out.generated_tokens == 4 and out.reused_tokens == 0
+        assert first.documents._shared.stats()["unwritten"] == 1 and len(first.documents) == len(docs)
+        # Back, empty: the first's next lookup finds a new hash and writes all it holds; others find them again.
+        proc, _ = _start_server(tmp_path, port=port)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            first.plan(prompt, "cacheblend")
+            assert first.documents._shared.stats()["unwritten"] == 0
+            assert len(make_tiny_engine(config).documents) == len(docs)
+            second.plan(prompt, "cacheblend")
+            assert len(second.documents) == len(docs)
+    finally:
+        if proc.poll() is None:
+            _stop(proc)

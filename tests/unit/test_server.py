@@ -1,7 +1,8 @@
 """The OpenAI-compatible server (kvboost_rag.server), driven over real HTTP by the real openai client.
 
 One uvicorn server per module, on a free port of 127.0.0.1 in a background thread, over one tiny
-random-weight engine (tests/conftest.py's make_tiny_engine, built once for the module).
+random-weight engine (tests/conftest.py's make_tiny_engine, built once for the module); a server with an API key
+and one bounded to a single request in flight share that engine.
 """
 
 from __future__ import annotations
@@ -10,18 +11,23 @@ import importlib.util
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvboost_rag import EngineConfig, KVBoost
+from kvboost_rag.cli import serve as serve_cli
 from kvboost_rag.models import LoadedModel
 from kvboost_rag.server import create_app
+from kvboost_rag.server_gate import DEFAULT_MAX_REQUESTS
 
 MODEL = "tiny-kvboost"
+KEY = "sk-kvboost-test-key"
 QUESTION = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "Which city has the oldest observatory?"}]
 GREEDY = dict(temperature=0, max_tokens=6)
@@ -45,21 +51,30 @@ def engine(bundled_tokenizer):
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def base_url(engine):
+@contextmanager
+def _serving(app):
+    """`app` served by uvicorn in a background thread: its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no other process can take it meanwhile
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name=MODEL), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    with _serving(create_app(engine, model_name=MODEL)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +83,33 @@ def client(base_url):
         yield client
 
 
+@pytest.fixture(scope="module")
+def keyed_url(engine):
+    with _serving(create_app(engine, model_name=MODEL, api_key=KEY)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def narrow_url(engine):
+    with _serving(create_app(engine, model_name=MODEL, max_requests=1)) as url:
+        yield url
+
+
 def _chat(client, messages=QUESTION, **kwargs):
     return client.chat.completions.create(model=MODEL, messages=messages, **{**GREEDY, **kwargs})
+
+
+def _metrics(base_url, **kwargs) -> dict:
+    """/metrics parsed: {(sample name, sorted labels): value}."""
+    reply = httpx.get(f"{base_url}/metrics", **kwargs)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(reply.text) for sample in family.samples}
+
+
+def _sample(metrics: dict, name: str, **labels) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 # ---- answers -------------------------------------------------------------------------------------
@@ -95,6 +135,7 @@ def test_chat_is_the_engines_answer(client, engine, strategy):
     assert out.kvboost["strategy"] == strategy
     assert out.kvboost["ttft_ms"] > 0
     assert out.kvboost["reused_tokens"] + out.kvboost["recomputed_tokens"] == out.usage.prompt_tokens
+    assert out.usage.prompt_tokens_details.cached_tokens == out.kvboost["reused_tokens"]
 
 
 def test_strategy_defaults_to_the_engines_and_is_honoured(client):
@@ -137,6 +178,7 @@ def test_streamed_chat_is_the_whole_answer(client):
     assert finish[0].kvboost["strategy"] == "full"
     # include_usage: one last chunk with no choices and the usage, null on every chunk before it
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == finish[0].kvboost["reused_tokens"]
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -169,6 +211,20 @@ def test_documents_are_ingested_and_then_reused(client, engine, base_url, docs, 
     out = _chat(client, rag_prompt(docs[:2], "Who founded the Halvard company?"), extra_body={"strategy": "naive"})
     doc_tokens = sum(len(engine.document(text).token_ids) for text in docs[:2])
     assert out.kvboost["reused_tokens"] >= doc_tokens > 0
+    # OpenAI's name for them, in every usage object: chat and text, whole and streamed
+    assert out.usage.prompt_tokens_details.cached_tokens == out.kvboost["reused_tokens"]
+    chunks = list(_chat(client, rag_prompt(docs[:2], "Who founded the Halvard company?"), stream=True,
+                        stream_options={"include_usage": True}, extra_body={"strategy": "naive"}))
+    finish = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == finish.kvboost["reused_tokens"] >= doc_tokens
+    prompt = "\n\n".join(docs[:2]) + "\n\nQuestion: who founded the Halvard company?"
+    text = client.completions.create(model=MODEL, prompt=prompt, extra_body={"strategy": "naive"}, **GREEDY)
+    assert text.usage.prompt_tokens_details.cached_tokens == text.kvboost["reused_tokens"] >= doc_tokens
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"strategy": "naive"}, **GREEDY))
+    finish = next(c for c in streamed if c.choices and c.choices[0].finish_reason)
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == finish.kvboost["reused_tokens"] >= doc_tokens
 
 
 def test_client_disconnect_closes_the_engine_stream(client, engine, monkeypatch):
@@ -197,7 +253,7 @@ def test_client_disconnect_closes_the_engine_stream(client, engine, monkeypatch)
 
 
 def test_concurrent_requests_each_get_their_own_answer(client):
-    # Steps of both requests interleave on the engine's worker; each answer stays what it is alone.
+    # The requests decode on the engine's workers at once (batched steps); each answer stays what it is alone.
     questions = [[{"role": "user", "content": f"Name a {thing}."}] for thing in ("river", "mountain", "city")]
     alone = [_chat(client, q, extra_body={"strategy": "full"}).choices[0].message.content for q in questions]
     answers = [None] * len(questions)
@@ -278,3 +334,142 @@ def test_malformed_requests_get_openais_error_shape(base_url):
     assert reply.status_code == 400 and "empty document" in reply.json()["error"]["message"]
     reply = httpx.get(f"{base_url}/v1/nothing")
     assert reply.status_code == 404 and reply.json()["error"]["type"] == "not_found_error"
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_count_what_was_served(client, engine, base_url, docs):
+    engine.ingest(docs[:1])
+    before = _metrics(base_url)
+    chat = _chat(client, extra_body={"strategy": "full"})
+    prompt = docs[0] + "\n\nQuestion: who founded it?"
+    text = client.completions.create(model=MODEL, prompt=prompt, extra_body={"strategy": "naive"}, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    after = _metrics(base_url)
+
+    def moved(name, **labels):
+        return _sample(after, name, **labels) - _sample(before, name, **labels)
+
+    assert moved("kvboost_requests_total", route="/v1/chat/completions", status="200") == 1
+    assert moved("kvboost_requests_total", route="/v1/completions", status="200") == 1
+    assert moved("kvboost_requests_total", route="/v1/models/{model:path}", status="404") == 1
+    assert moved("kvboost_ttft_seconds_count") == 2
+    assert moved("kvboost_ttft_seconds_sum") == pytest.approx((chat.kvboost["ttft_ms"] + text.kvboost["ttft_ms"]) / 1e3)
+    assert moved("kvboost_prompt_tokens_total") == chat.usage.prompt_tokens + text.usage.prompt_tokens
+    reused = chat.usage.prompt_tokens_details.cached_tokens + text.usage.prompt_tokens_details.cached_tokens
+    assert moved("kvboost_reused_tokens_total") == reused > 0
+    assert moved("kvboost_completion_tokens_total") == chat.usage.completion_tokens + text.usage.completion_tokens
+    assert _sample(after, "kvboost_store_bytes") == engine.store.nbytes > 0
+    assert _sample(after, "kvboost_requests_in_flight") == 0
+    assert _sample(after, "kvboost_max_requests") == DEFAULT_MAX_REQUESTS
+    assert moved("kvboost_requests_rejected_total") == 0
+
+
+def test_each_app_keeps_its_own_metrics(engine):
+    first, second = create_app(engine), create_app(engine)  # the global registry would refuse the second
+    assert first is not second
+
+
+# ---- the API key ---------------------------------------------------------------------------------
+
+
+def test_the_api_key_guards_v1_and_metrics_but_not_health(keyed_url):
+    with openai.OpenAI(base_url=f"{keyed_url}/v1", api_key="sk-wrong", max_retries=0, timeout=60) as wrong:
+        with pytest.raises(openai.AuthenticationError) as e:
+            _chat(wrong)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    with openai.OpenAI(base_url=f"{keyed_url}/v1", api_key=KEY, max_retries=0, timeout=60) as right:
+        assert [m.id for m in right.models.list()] == [MODEL]
+        assert _chat(right).choices[0].finish_reason is not None
+        assert "".join(c.choices[0].delta.content or "" for c in _chat(right, stream=True) if c.choices) is not None
+    for headers in ({}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY[:-1]}"},
+                    {"Authorization": f"Bearer {KEY}x"}):
+        reply = httpx.post(f"{keyed_url}/v1/documents", json={"documents": ["x"]}, headers=headers)
+        assert reply.status_code == 401, headers
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+    assert httpx.get(f"{keyed_url}/v1/nothing").status_code == 401  # the key before the route
+    assert httpx.get(f"{keyed_url}/health").status_code == 200
+    assert httpx.get(f"{keyed_url}/metrics").status_code == 401
+    metrics = _metrics(keyed_url, headers={"Authorization": f"Bearer {KEY}"})
+    assert _sample(metrics, "kvboost_requests_total", route="/v1/chat/completions", status="401") == 1
+    assert _sample(metrics, "kvboost_requests_total", route="/v1/chat/completions", status="200") == 2
+
+
+def test_create_app_refuses_an_empty_key_and_a_bound_under_one(engine):
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(engine, api_key=" ")
+    with pytest.raises(ValueError, match="max_requests"):
+        create_app(engine, max_requests=0)
+
+
+def test_the_serve_command_takes_the_key_and_the_bound(monkeypatch):
+    from kvboost_rag.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--api-key", "k1", "--max-requests", "3"])
+    assert (args.api_key, args.max_requests) == ("k1", 3)
+    assert build_parser().parse_args(["serve"]).max_requests == DEFAULT_MAX_REQUESTS
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-requests", "0"])
+    monkeypatch.setenv("KVBOOST_API_KEY", "from-env")
+    assert serve_cli._api_key(None) == "from-env" and serve_cli._api_key("given") == "given"
+    monkeypatch.setenv("KVBOOST_API_KEY", "")
+    assert serve_cli._api_key(None) is None
+    with pytest.raises(ValueError, match="--api-key"):
+        serve_cli._api_key("")
+
+
+# ---- the bound on requests in flight -------------------------------------------------------------
+
+
+def test_a_request_beyond_max_requests_gets_429_until_a_slot_frees(narrow_url, engine, monkeypatch):
+    real_stream, release, closed = engine.stream, threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        def pieces():
+            try:
+                for i, piece in enumerate(real_stream(*args, **kwargs)):
+                    yield piece
+                    if i >= 1:  # mid-decode, the stream holds its slot until released
+                        release.wait(timeout=60)
+            except GeneratorExit:
+                closed.set()
+                raise
+
+        return pieces()
+
+    monkeypatch.setattr(engine, "stream", held)
+    with openai.OpenAI(base_url=f"{narrow_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        try:
+            stream = _chat(client, max_tokens=2000, stream=True, extra_body={"strategy": "full"})
+            next(iter(stream))  # the role delta: prefilled, decoding
+            with pytest.raises(openai.RateLimitError) as e:
+                _chat(client)
+            assert e.value.status_code == 429 and e.value.code == "queue_full"
+            assert e.value.response.headers["retry-after"] == "1"
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model=MODEL, prompt="A second one", stream=True, **GREEDY)
+            metrics = _metrics(narrow_url)
+            assert _sample(metrics, "kvboost_requests_in_flight") == 1
+            assert _sample(metrics, "kvboost_requests_rejected_total") == 2
+            assert _sample(metrics, "kvboost_requests_total", route="/v1/completions", status="429") == 1
+            stream.close()  # the client goes away mid-answer: its slot must come free
+        finally:
+            release.set()
+        assert closed.wait(timeout=30), "the engine stream was not closed after the client went away"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                out = _chat(client)
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline, "the slot of the client that went away was never freed"
+                time.sleep(0.05)
+        assert out.choices[0].finish_reason is not None
+        assert _chat(client).choices and _chat(client, stream=True).response.status_code == 200  # each frees its slot
+    assert _sample(_metrics(narrow_url), "kvboost_requests_in_flight") == 0

@@ -14,8 +14,9 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode
 from llama_index.llms.kvboost import DOC_ID_KEY, KVBoostLLM, KVBoostPrewarm, llm_text
 
-from kvboost_rag import KVBoost
+from kvboost_rag import EngineConfig, KVBoost, StoreConfig
 from kvboost_rag.bench.data import bundled, load_items
+from kvboost_rag.models import load
 
 pytestmark = pytest.mark.real_model
 
@@ -117,3 +118,27 @@ def test_ingestion_cache_hits_only_for_the_same_store(engine, monkeypatch):
     nodes = run(other)
     assert other_computed.take() == len(nodes) and computed.take() == 0
     assert all(other.documents.get(llm_text(n).strip()) is not None for n in nodes)
+
+
+def test_prewarm_leaves_a_calibrated_store_and_a_new_process_fits_nothing(tmp_path):
+    # The defaults (calibration on, the guard balanced) on a persistent store: the pipeline's pre-warm fits the
+    # guard's predictor and the drift maps by itself; a later process pre-warming the same nodes fits and
+    # computes nothing.
+    store = StoreConfig(disk_dir=tmp_path)
+    loaded = load(None, "float32", "cpu")
+    first = KVBoost(loaded, EngineConfig(store=store))
+    assert first.predictor is None
+    pipeline = IngestionPipeline(transformations=[KVBoostPrewarm(KVBoostLLM(engine=first))], disable_cache=True)
+    corpus = [Document(text=f"The tram depot in {town} keeps {12 + 5 * i} trams; its oldest was built in {1890 + i}.")
+              for i, town in enumerate(["Arvo", "Belmont", "Corra", "Dunmere", "Elsk", "Farrow", "Gilde", "Holm",
+                                        "Ivrea"])]
+    nodes = pipeline.run(documents=corpus)
+    assert len(nodes) == 9 and first.counters["documents_computed"] == 9
+    assert first.counters["calibrations"] == 1 and first.predictor.tokens > 0 and first.drift is not None
+    assert first.fidelity_path.exists() and first.drift_path.exists()
+
+    second = KVBoost(loaded, EngineConfig(store=store))
+    assert second.predictor == first.predictor  # read from the store
+    ids = KVBoostLLM(engine=second).prewarm(nodes, show_progress=False)
+    assert ids == [n.metadata[DOC_ID_KEY] for n in nodes]
+    assert second.counters["calibrations"] == 0 and second.counters["documents_computed"] == 0

@@ -1,0 +1,125 @@
+"""Step-level batching of concurrent decodes: one forward for every stream waiting on a decode step.
+
+A decode step reads every weight of the model to make one token, so eight one-token forwards cost nearly eight
+times one forward over eight tokens. Concurrent streams (KVBoost.stream_from, stepped on serving's worker
+threads) therefore hand their steps to the engine's `DecodeBatcher`, a group commit: the first caller while no
+batch runs leads. It waits briefly for the rest of the round (until every stream registered as decoding has
+submitted, or WINDOW_S, whichever comes first), takes the engine lock, runs one forward over every pending step
+(adapter.decode_rows: each sequence at its own position in its own cache) and hands each caller its row's
+logits. The others wait on a Condition meanwhile; those who come during a batch form the next one.
+
+A lone stream is a batch of one, run exactly as KVBoost.decode_step runs it. An error in a batch's forward
+reaches every caller of that batch, and the next batch runs as usual.
+
+A registered stream that is not stepping (its consumer is slow, or steps several streams from one thread) costs
+the others at most WINDOW_S per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .kvcache import KVBuffers
+
+# How long a leader waits for the rest of a round: a few ms against a decode step's tens, and a round's streams
+# resubmit within a fraction of that (they were all answered at once).
+WINDOW_S = 0.003
+
+
+@torch.inference_mode()
+def decode(adapter, caches: Sequence[KVBuffers], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """Append tokens[b] at positions[b] to caches[b], for each of B sequences: the next-token logits [B, V] fp32."""
+    token_ids, at = torch.tensor(list(tokens)), torch.tensor(list(positions))
+    hidden = adapter.embed(token_ids)  # [1, B, H]
+    if len(caches) == 1:  # one request: the single-sequence path as it always ran (no padding, its own masks)
+        hidden = adapter.run_layers(hidden, at, caches[0], range(adapter.num_layers), positions[0] + 1)
+        return adapter.logits(hidden)
+    hidden = adapter.decode_rows(hidden.transpose(0, 1), at, list(caches))  # [B, 1, H]
+    return adapter.logits(hidden.transpose(0, 1))
+
+
+@dataclass(eq=False)
+class _Step:
+    cache: KVBuffers
+    token: int
+    position: int
+    logits: torch.Tensor | None = None  # [V], once done
+    error: BaseException | None = None
+    done: bool = False
+
+    def result(self) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        return self.logits
+
+
+class DecodeBatcher:
+    """Group commit of decode steps over one engine's adapter, under its lock (see the module docstring)."""
+
+    def __init__(self, adapter, lock: threading.RLock, window_s: float = WINDOW_S):
+        self.adapter, self.lock, self.window_s = adapter, lock, window_s
+        self._changed = threading.Condition()
+        self._pending: list[_Step] = []
+        self._leading = False  # a leader is gathering or running a batch
+        self._decoders = 0
+        # "batches" run, "rows" decoded in them, "largest": the most rows one batch had.
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    @contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Count the caller's stream as decoding while inside: a leader waits for its step (up to the window)."""
+        with self._changed:
+            self._decoders += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._decoders -= 1
+                self._changed.notify_all()  # a leader waiting for this stream stops waiting
+
+    def step(self, cache: KVBuffers, token: int, position: int) -> torch.Tensor:
+        """Append `token` at `position` to `cache` in the next batch: the next-token logits [V] fp32."""
+        if self.lock._is_owned():
+            # The caller holds the engine lock already (calibration decodes under it): a leader would wait for
+            # that lock while this caller waited for the leader. It runs alone, at once.
+            with self.lock:
+                return decode(self.adapter, [cache], [token], [position])[0]
+        mine = _Step(cache, token, position)
+        with self._changed:
+            self._pending.append(mine)
+            self._changed.notify_all()
+            while self._leading and not mine.done:
+                self._changed.wait()
+            if mine.done:  # a leader took it
+                return mine.result()
+            self._leading = True
+            deadline = time.monotonic() + self.window_s
+            while len(self._pending) < self._decoders and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+            batch, self._pending = self._pending, []
+        try:
+            with self.lock:
+                logits = decode(self.adapter, [s.cache for s in batch], [s.token for s in batch],
+                                [s.position for s in batch])
+            for s, row in zip(batch, logits, strict=True):
+                s.logits = row
+        except BaseException as e:  # every caller of the batch gets it; the batcher goes on
+            for s in batch:
+                s.error = e
+        finally:
+            with self._changed:
+                for s in batch:
+                    s.done = True
+                self._leading = False
+                self.counters["batches"] += 1
+                self.counters["rows"] += len(batch)
+                self.counters["largest"] = max(self.counters["largest"], len(batch))
+                self._changed.notify_all()
+        return mine.result()
