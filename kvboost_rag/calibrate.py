@@ -4,8 +4,13 @@ Run by `KVBoost.ingest` by itself once the engine knows MIN_DOCUMENTS documents,
 has doubled since and grown by REFIT_GROWTH documents, so its cost stays a bounded share of ingestion: per
 prompt, one full prefill (the drift maps' truth) and its greedy answer, then one repaired prefill teacher-forced
 on it, shown in a progress bar. `KVBoost.calibrate` runs it on demand. Both results are saved next to the
-store's disk tier under the engine's fingerprint, and a file from another model, dtype, tokenizer or encoding is
-refused and fitted again (drift.load, fidelity.load).
+store's disk tier under the engine's fingerprint, and in its Redis tier when it has one (the same safetensors
+bytes, `kvboost:{fingerprint[:16]}:calibration:drift` and `:fidelity`), so that a restarted server or another
+process on the same Redis starts calibrated. An engine takes them up when it starts (the file first, else
+Redis), and `due` looks again before fitting: another process may have calibrated this corpus meanwhile. A copy
+from another model, dtype, tokenizer or encoding, of an older format or damaged is refused, warned about and
+fitted again (drift.from_bytes, fidelity.from_bytes); an unreachable Redis is a StoreUnavailableWarning and no
+calibration from it.
 
 Drives the engine through its public methods; the engine imports this module, not the other way round.
 """
@@ -13,7 +18,9 @@ Drives the engine through its public methods; the engine imports this module, no
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -21,6 +28,8 @@ from tqdm.auto import tqdm
 from . import drift, fidelity
 from .assembly import APPROX
 from .generation import SamplingParams
+from .store.files import make_dir, write_atomic
+from .store.tiered import redis_tier
 
 MIN_DOCUMENTS = 8  # fewer documents than this make too few distinct prompts to fit on
 REFIT_GROWTH = 32  # a refit also needs this many new documents: 8 -> 16 changes the prompts drawn, not the fit
@@ -30,14 +39,82 @@ TOKENS = 16  # answer tokens per calibration prompt
 
 
 def due(engine) -> bool:
-    """Whether ingestion should calibrate now: enough documents, and none fitted or the corpus doubled since."""
+    """Whether ingestion should calibrate now: enough documents, and none fitted or the corpus doubled since, nor
+    saved meanwhile by another engine on the same store (then this one takes that calibration up instead)."""
+    if not _stale(engine, engine.predictor):
+        return False
+    predictor = saved(engine, "fidelity", accept=lambda p: not _stale(engine, p))
+    if predictor is None:
+        return True
+    maps = saved(engine, "drift")  # fitted in the same pass
+    engine.predictor, engine.drift = predictor, maps if maps is not None else engine.drift
+    return False
+
+
+def _stale(engine, predictor: fidelity.Predictor | None) -> bool:
     known = len(engine.documents)
     if known < MIN_DOCUMENTS:
         return False
-    if engine.predictor is None:
+    if predictor is None:
         return True
-    fitted = engine.predictor.documents
+    fitted = predictor.documents
     return known >= 2 * fitted and known - fitted >= REFIT_GROWTH
+
+
+# What each calibration is called where it is refused, and what happens next.
+_KINDS = {"drift": ("drift maps", "refit them with fit_drift()"),
+          "fidelity": ("fidelity calibration", "the next ingest fits it again")}
+
+
+def _path(engine, name: str) -> Path | None:
+    return engine.drift_path if name == "drift" else engine.fidelity_path
+
+
+def saved(engine, name: str, accept: Callable = lambda value: True):
+    """The saved calibration `name` ("drift": the maps, on the engine's device; "fidelity": the predictor): the
+    first of the disk tier's file and the Redis tier's value that is this engine's, whole and `accept`ed; None
+    when there is none. A copy the checks refuse is warned about and never used."""
+    path, redis = _path(engine, name), redis_tier(engine.store)
+    sources = []
+    if path is not None and path.exists():
+        sources.append((str(path), lambda: _file_bytes(path)))
+    if redis is not None:
+        sources.append((f"{redis.calibration_key(name)} in the Redis store at {redis.url}",
+                        lambda: redis.read_calibration(name)))  # None when absent or unreachable (warned there)
+    what, then = _KINDS[name]
+    for where, read in sources:
+        data = read()
+        if data is None:
+            continue
+        if name == "drift":
+            value = drift.from_bytes(data, engine.fingerprint, engine.adapter)
+            value = value.to(engine.adapter.device) if value is not None else None
+        else:
+            value = fidelity.from_bytes(data, engine.fingerprint)
+        if value is None:
+            warnings.warn(f"ignoring {what} {where}: not this model's, from an older kvboost-rag, or damaged; {then}",
+                          stacklevel=3)
+        elif accept(value):
+            return value
+    return None
+
+
+def save(engine, name: str, data: bytes) -> None:
+    """Keep calibration `name` (its to_bytes) beside the store: a file beside the disk tier, a value in the Redis
+    tier (one Redis does not take is warned about there, never raised)."""
+    path, redis = _path(engine, name), redis_tier(engine.store)
+    if path is not None:
+        make_dir(path.parent, engine.config.store.file_mode)
+        write_atomic(path, data, engine.config.store.file_mode)
+    if redis is not None:
+        redis.write_calibration(name, data)
+
+
+def _file_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # unreadable: refused as damaged
+        return b""
 
 
 def corpus_prompts(engine, texts: Sequence[str], count: int, per_prompt: int, seed: int = 0,

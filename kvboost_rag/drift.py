@@ -20,7 +20,8 @@ place, the i-th reused chunk of a prompt (the last map takes every chunk after i
 The maps belong to a corpus, not only to a model: maps fitted on the synthetic look-alike documents
 make CPython documentation passages worse (research/notebook.md, round 4), maps fitted on other passages of
 the same documentation improve them. So they are fitted on what the engine has ingested
-(`KVBoost.fit_drift`, typically at the end of an ingestion job) and saved next to the store's disk tier.
+(`KVBoost.fit_drift`, typically at the end of an ingestion job) and saved next to the store's disk tier,
+and in its Redis tier when it has one (calibrate.py).
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .store.files import make_dir, write_atomic
+from .store.files import make_dir, safetensors_metadata, write_atomic
 
 VERSION = 2
 RIDGE = 1e-2  # keeps the normal equations well posed for channels that barely vary
@@ -199,22 +199,21 @@ def fit(adapter, samples: Sequence[tuple[torch.Tensor, Sequence]], places: int =
     return solve(sums)
 
 
-def save(maps: DriftMaps, path: Path, fingerprint: str, mode: int = 0o600) -> None:
-    """Write the maps atomically with permissions `mode` (StoreConfig.file_mode: they sit in the store folder)."""
-    make_dir(path.parent, mode)
+def to_bytes(maps: DriftMaps, fingerprint: str) -> bytes:
+    """The maps as safetensors, their metadata naming the model (fingerprint) and format version: what `save`
+    writes to a file and the engine puts in a Redis tier (calibrate.py)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts)}
-    data = safetensors.torch.save({"keys": maps.keys, "values": maps.values}, metadata=meta)
-    write_atomic(path, data, mode)
+    return safetensors.torch.save({"keys": maps.keys, "values": maps.values}, metadata=meta)
 
 
-def load(path: Path, fingerprint: str, adapter) -> DriftMaps | None:
-    """The saved maps when they are this engine's and whole; else None (a foreign, old or damaged file is
+def from_bytes(data: bytes, fingerprint: str, adapter) -> DriftMaps | None:
+    """The maps in `data` when they are this engine's and whole; else None (foreign, old or damaged maps are
     never used: the caller serves the stored K/V as they are)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys, values = f.get_tensor("keys"), f.get_tensor("values")
-    except Exception:  # noqa: BLE001 - any unreadable file counts as absent
+        meta = safetensors_metadata(data)
+        tensors = safetensors.torch.load(bytes(data))
+        keys, values = tensors["keys"], tensors["values"]
+    except Exception:  # noqa: BLE001 - safetensors raises its own error type for every kind of damage
         return None
     shape = (adapter.num_layers, adapter.num_kv_heads, adapter.head_dim + 1, adapter.head_dim)
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION)
@@ -222,3 +221,18 @@ def load(path: Path, fingerprint: str, adapter) -> DriftMaps | None:
             or not (torch.isfinite(keys).all() and torch.isfinite(values).all())):
         return None
     return DriftMaps(keys.float(), values.float(), int(meta.get("prompts", 0)))
+
+
+def save(maps: DriftMaps, path: Path, fingerprint: str, mode: int = 0o600) -> None:
+    """Write the maps atomically with permissions `mode` (StoreConfig.file_mode: they sit in the store folder)."""
+    make_dir(path.parent, mode)
+    write_atomic(path, to_bytes(maps, fingerprint), mode)
+
+
+def load(path: Path, fingerprint: str, adapter) -> DriftMaps | None:
+    """The maps saved at `path` when they are this engine's and whole (see from_bytes); else None."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:  # unreadable counts as absent
+        return None
+    return from_bytes(data, fingerprint, adapter)

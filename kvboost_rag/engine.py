@@ -153,24 +153,13 @@ class KVBoost:
         self.batcher = batching.DecodeBatcher(self.adapter, self.lock)
         # What the engine did, for callers and tests: documents computed or found stored, chunks written back.
         self.counters: collections.Counter[str] = collections.Counter()
-        # Drift maps fitted on this corpus (fit_drift), read back from the disk tier's folder when saved there.
-        # The fidelity guard's predictor (see fidelity.py), fitted with the drift maps by `calibrate`.
+        # Drift maps fitted on this corpus and the fidelity guard's predictor (fidelity.py), fitted together by
+        # `calibrate`: read back from the file beside the disk tier, else from the Redis tier (see calibrate.py).
         self.fidelity_path = Path(disk_dir) / f"fidelity-{self.fingerprint[:16]}.safetensors" if disk_dir else None
-        self.predictor = None
-        if self.fidelity_path is not None and self.fidelity_path.exists():
-            self.predictor = fidelity.load(self.fidelity_path, self.fingerprint)
-            if self.predictor is None:
-                warnings.warn(f"ignoring fidelity calibration {self.fidelity_path}: not this model's, from an older "
-                              "kvboost-rag, or damaged; the next ingest fits it again", stacklevel=2)
-        self._warned_small = False
         self.drift_path = Path(disk_dir) / f"drift-{self.fingerprint[:16]}.safetensors" if disk_dir else None
-        self.drift = None
-        if self.drift_path is not None and self.drift_path.exists():
-            self.drift = drift.load(self.drift_path, self.fingerprint, self.adapter)
-            self.drift = self.drift.to(self.adapter.device) if self.drift is not None else None
-            if self.drift is None:
-                warnings.warn(f"ignoring drift maps {self.drift_path}: not this model's, from an older kvboost-rag, "
-                              "or damaged; refit them with fit_drift()", stacklevel=2)
+        self.predictor = calibration.saved(self, "fidelity")
+        self.drift = calibration.saved(self, "drift")
+        self._warned_small = False
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -228,16 +217,14 @@ class KVBoost:
         return calibration.calibrate(self, texts, **options)
 
     def set_drift(self, maps: drift.DriftMaps) -> None:
-        """Use these drift maps from now on, and save them beside the disk tier."""
+        """Use these drift maps from now on, and save them beside the store (disk tier's folder, Redis tier)."""
         self.drift = maps.to(self.adapter.device)
-        if self.drift_path is not None:
-            drift.save(maps, self.drift_path, self.fingerprint, mode=self.config.store.file_mode)
+        calibration.save(self, "drift", drift.to_bytes(maps, self.fingerprint))
 
     def set_predictor(self, predictor: fidelity.Predictor) -> None:
-        """Use this fidelity predictor from now on, and save it beside the disk tier."""
+        """Use this fidelity predictor from now on, and save it beside the store (disk tier's folder, Redis tier)."""
         self.predictor = predictor
-        if self.fidelity_path is not None:
-            fidelity.save(predictor, self.fidelity_path, self.fingerprint, mode=self.config.store.file_mode)
+        calibration.save(self, "fidelity", fidelity.to_bytes(predictor, self.fingerprint))
 
     def document(self, text: str) -> Document:
         """The ingested form of a document's text (tokens and chunks), made if needed; not stored."""

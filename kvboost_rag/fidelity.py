@@ -8,12 +8,13 @@ unsure between them. So the guard watches each token's margin under the reused c
     P(flip | margin) = sigmoid(intercept + slope * margin)
 
 fitted per model and corpus (`fit`, on calibration prompts: the reused cache's margins against a full prefill's
-greedy tokens, teacher-forced; run by ingestion itself, see calibrate.py) and saved beside the store. A
-request's risk is the chance its answer differs from a full prefill's so far, 1 - prod(1 - P(flip | m_t)) over
-the tokens served from the reused cache. Before a token would take the risk over the request's target, the
-engine computes the exact cache (a full prefill of the prompt and the tokens so far) and decodes from it from
-then on: the first token's check comes before it is sent, so a request that starts unsure falls back to a full
-prefill (its TTFT is then a full prefill's plus the repair's); a later one costs total time, not TTFT.
+greedy tokens, teacher-forced; run by ingestion itself, see calibrate.py) and saved beside the store (its disk
+folder, its Redis tier). A request's risk is the chance its answer differs from a full prefill's so far,
+1 - prod(1 - P(flip | m_t)) over the tokens served from the reused cache. Before a token would take the risk
+over the request's target, the engine computes the exact cache (a full prefill of the prompt and the tokens so
+far) and decodes from it from then on: the first token's check comes before it is sent, so a request that starts
+unsure falls back to a full prefill (its TTFT is then a full prefill's plus the repair's); a later one costs
+total time, not TTFT.
 
 Levels name a target risk per request: "fast" (no guard), "balanced" (BALANCED), "strict" (STRICT), or a
 number in (0, 1). Without a calibration the model's DEFAULT curve serves, a conservative one.
@@ -28,9 +29,8 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-from safetensors import safe_open
 
-from .store.files import make_dir, write_atomic
+from .store.files import make_dir, safetensors_metadata, write_atomic
 
 VERSION = 2
 LEVELS = ("fast", "balanced", "strict")
@@ -108,25 +108,39 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0) -
     return Predictor(float(w[0]), float(w[1]), len(margins), int(y.sum()), documents)
 
 
-def save(predictor: Predictor, path: Path, fingerprint: str, mode: int = 0o600) -> None:
-    make_dir(path.parent, mode)
+def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:
+    """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what `save`
+    writes to a file and the engine puts in a Redis tier (calibrate.py)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "tokens": str(predictor.tokens),
             "flips": str(predictor.flips), "documents": str(predictor.documents)}
     curve = torch.tensor([predictor.intercept, predictor.slope], dtype=torch.float64)
-    write_atomic(path, safetensors.torch.save({"curve": curve}, metadata=meta), mode)
+    return safetensors.torch.save({"curve": curve}, metadata=meta)
 
 
-def load(path: Path, fingerprint: str) -> Predictor | None:
-    """The saved predictor when it is this engine's (model, weights, dtype, tokenizer, encoding) and whole;
-    else None: a foreign, old or damaged file is never used."""
+def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
+    """The predictor in `data` when it is this engine's (model, weights, dtype, tokenizer, encoding) and whole;
+    else None: a foreign, old or damaged one is never used."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            curve = f.get_tensor("curve")
+        meta = safetensors_metadata(data)
+        curve = safetensors.torch.load(bytes(data))["curve"]
         counts = {k: int(meta.get(k, 0)) for k in ("tokens", "flips", "documents")}
-    except Exception:  # noqa: BLE001 - any unreadable file counts as absent
+    except Exception:  # noqa: BLE001 - safetensors raises its own error type for every kind of damage
         return None
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION) or curve.shape != (2,)
             or not torch.isfinite(curve).all()):
         return None
     return Predictor(float(curve[0]), float(curve[1]), **counts)
+
+
+def save(predictor: Predictor, path: Path, fingerprint: str, mode: int = 0o600) -> None:
+    make_dir(path.parent, mode)
+    write_atomic(path, to_bytes(predictor, fingerprint), mode)
+
+
+def load(path: Path, fingerprint: str) -> Predictor | None:
+    """The predictor saved at `path` when it is this engine's and whole (see from_bytes); else None."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:  # unreadable counts as absent
+        return None
+    return from_bytes(data, fingerprint)

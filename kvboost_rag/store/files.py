@@ -16,8 +16,10 @@ tried again, so the store is written again as soon as the folder takes writes (n
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import struct
 import threading
 import uuid
 import warnings
@@ -72,6 +74,18 @@ def write_atomic(path: Path, data: bytes, file_mode: int = DEFAULT_FILE_MODE) ->
     finally:
         os.close(fd)
     _fsync_dir(path.parent)
+
+
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The metadata in safetensors bytes' header (u64 header length, then JSON), without their tensors; {} when
+    they have none. Raises ValueError when the bytes are not safetensors (truncated, say)."""
+    try:
+        (header_len,) = struct.unpack_from("<Q", data)
+        header = json.loads(bytes(data[8:8 + header_len]))
+    except struct.error as e:
+        raise ValueError(f"not safetensors ({e})") from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -7,6 +7,9 @@ kept as it is stored (raw or quantized, never re-quantized) and checked in full 
 
     kvboost:{fingerprint[:16]}:p:{prefix key hex}   the entry
     kvboost:{fingerprint[:16]}:c:{content key hex}  the prefix key (hex) of the last entry put with these tokens
+    kvboost:{fingerprint[:16]}:calibration:drift     the corpus's drift maps (drift.to_bytes), and
+    kvboost:{fingerprint[:16]}:calibration:fidelity  the fidelity guard's predictor (fidelity.to_bytes): what a
+                                                    process started later uses instead of calibrating (calibrate.py)
 
 A value that is damaged, truncated, of another format version or of another model (the whole fingerprint
 is checked, not only the 16 characters in its key) is never served: it is a miss, it is deleted (unless it
@@ -114,6 +117,25 @@ class RedisStore(StoredFormStore):
 
     def pointer_key(self, content_key: bytes) -> str:
         return f"{self.namespace}:c:{content_key.hex()}"
+
+    def calibration_key(self, name: str) -> str:
+        return f"{self.namespace}:calibration:{name}"
+
+    # -- the corpus's calibration (its bytes are checked by drift.from_bytes / fidelity.from_bytes) ----
+
+    def read_calibration(self, name: str) -> bytes | None:
+        """The calibration value `name` ("drift", "fidelity"); None when absent or Redis is unreachable (warned)."""
+        data = None
+        with self._reaching("read from"):
+            data = self._client.get(self.calibration_key(name))
+        return data
+
+    def write_calibration(self, name: str, data: bytes) -> bool:
+        """Put the calibration value `name`; False (warned) when Redis did not take it."""
+        written = False
+        with self._reaching("write to"):
+            written = bool(self._client.set(self.calibration_key(name), data))
+        return written
 
     # -- KVStore -----------------------------------------------------------------------------
 

@@ -126,6 +126,12 @@ def make_index(config: StoreConfig, fingerprint: str, store: KVStore) -> Documen
     """The document index beside `store`: a file in `disk_dir` when set, and shared through Redis (see
     redis_documents.py) when `store` has a Redis tier (or is one)."""
     path = Path(config.disk_dir) / f"documents-{fingerprint[:16]}.jsonl" if config.disk_dir else None
-    redis = store if isinstance(store, RedisStore) else getattr(store, "redis", None)
-    shared = RedisDocuments(redis, fingerprint) if isinstance(redis, RedisStore) else None
+    redis = redis_tier(store)
+    shared = RedisDocuments(redis, fingerprint) if redis is not None else None
     return DocumentIndex(path, file_mode=config.file_mode, shared=shared)
+
+
+def redis_tier(store: KVStore) -> RedisStore | None:
+    """`store`'s Redis tier (or `store` itself when it is a RedisStore); None when it has none."""
+    redis = store if isinstance(store, RedisStore) else getattr(store, "redis", None)
+    return redis if isinstance(redis, RedisStore) else None

@@ -169,7 +169,9 @@ def test_a_refit_waits_for_the_corpus_to_double_by_enough_documents():
 
     def engine(known, fitted):
         predictor = None if fitted is None else fidelity.Predictor(0.0, -2.0, documents=fitted)
-        return SimpleNamespace(documents=range(known), predictor=predictor)
+        # No store and no saved calibration: only the counts decide (due() also looks for one saved meanwhile).
+        return SimpleNamespace(documents=range(known), predictor=predictor, store=None, fidelity_path=None,
+                               drift_path=None)
 
     assert not due(engine(MIN_DOCUMENTS - 1, None)) and due(engine(MIN_DOCUMENTS, None))
     assert not due(engine(2 * MIN_DOCUMENTS, MIN_DOCUMENTS))  # doubled, but by too few documents

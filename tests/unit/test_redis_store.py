@@ -1,7 +1,7 @@
 """RedisStore (the shared tier) against a real redis-server: round trips, sharing between stores, engines and
-processes, values that must not be served, and a server that goes away; and the document index shared through
-it (RedisDocuments): what a fresh engine finds without ingesting, records that must not be used, eviction, an
-outage."""
+processes, values that must not be served, and a server that goes away; the document index shared through it
+(RedisDocuments): what a fresh engine finds without ingesting, records that must not be used, eviction, an
+outage; and the corpus's calibration shared through it (drift maps, fidelity predictor)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,20 @@ from pathlib import Path
 
 import pytest
 import redis
+import safetensors.torch
 import torch
+from test_fidelity import corpus
 
-from kvboost_rag import EngineConfig, StoreConfig
+from kvboost_rag import EngineConfig, StoreConfig, drift, fidelity
+from kvboost_rag import calibrate as calibration
 from kvboost_rag.assembly import APPROX, EXACT
 from kvboost_rag.chunking import Chunk
 from kvboost_rag.config import ConfigError
+from kvboost_rag.drift import DriftMaps
 from kvboost_rag.keys import content_key
 from kvboost_rag.store.documents import Document, DocumentIndex, encode_record
 from kvboost_rag.store.entries import StoreIntegrityWarning, entry_bytes
+from kvboost_rag.store.files import safetensors_metadata
 from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.quant import StoredEntry, encode_entry
 from kvboost_rag.store.redis import RedisStore, StoreUnavailableWarning
@@ -585,6 +590,128 @@ def test_an_index_survives_a_killed_server(tmp_path, make_tiny_engine, docs, rag
             assert len(make_tiny_engine(config).documents) == len(docs)
             second.plan(prompt, "cacheblend")
             assert len(second.documents) == len(docs)
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+
+
+# -- the corpus's calibration, shared ------------------------------------------------------------------
+
+
+def _calibration(engine) -> tuple[fidelity.Predictor, DriftMaps]:
+    """A predictor and drift maps of `engine`'s shapes, as calibration would set them (without fitting)."""
+    a, numbers = engine.adapter, torch.Generator().manual_seed(0)
+    shape = (2, a.num_layers, a.num_kv_heads, a.head_dim + 1, a.head_dim)  # [P, L, H_kv, D + 1, D]
+    maps = DriftMaps(torch.randn(shape, generator=numbers), torch.randn(shape, generator=numbers), 3)
+    return fidelity.Predictor(0.25, -1.5, tokens=64, flips=5, documents=len(corpus())), maps
+
+
+def _calibrated_like(engine, predictor, maps) -> bool:
+    return (engine.predictor == predictor and engine.drift is not None and engine.drift.prompts == maps.prompts
+            and torch.equal(engine.drift.keys, maps.keys) and torch.equal(engine.drift.values, maps.values))
+
+
+def test_a_calibration_is_shared_through_redis(redis_url, raw, make_tiny_engine, monkeypatch, rag_prompt):
+    monkeypatch.setattr(calibration, "PROMPTS", 4)  # what calibration does, not how well it predicts
+    config = EngineConfig(store=StoreConfig(disk_dir=redis_url))  # Redis only: no folder for the files
+    early = make_tiny_engine(config, guarded=True)  # started before anyone calibrated
+    first = make_tiny_engine(config, guarded=True)
+    assert early.predictor is None and first.predictor is None and first.fidelity_path is None
+    first.ingest(corpus())  # calibrated by ingestion itself
+    assert first.counters["calibrations"] == 1 and first.drift is not None
+    key = f"kvboost:{first.fingerprint[:16]}:calibration:"
+    assert fidelity.from_bytes(raw.get(key + "fidelity"), first.fingerprint) == first.predictor
+    assert torch.equal(drift.from_bytes(raw.get(key + "drift"), first.fingerprint, first.adapter).keys,
+                       first.drift.keys)
+    # A restarted server, or another process on the same Redis: calibrated from the start, and it fits nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = make_tiny_engine(config, guarded=True)
+        assert _calibrated_like(second, first.predictor, first.drift)
+        second.ingest(corpus())
+    assert second.counters["calibrations"] == 0 and second.counters["documents_computed"] == 0
+    prompt = rag_prompt(corpus()[:4], "Who is the mayor of Varde?")
+    assert torch.equal(second.prefill(prompt, write_back=False).logits, first.prefill(prompt, write_back=False).logits)
+    # One already running when the first calibrated: due() finds the calibration saved meanwhile and takes it up.
+    early.ingest(corpus())
+    assert early.counters["calibrations"] == 0 and _calibrated_like(early, first.predictor, first.drift)
+
+
+def test_a_local_file_comes_first_and_redis_serves_where_there_is_none(redis_url, make_tiny_engine, tmp_path):
+    shared = make_tiny_engine(EngineConfig(store=StoreConfig(redis_url=redis_url)))
+    predictor, maps = _calibration(shared)
+    shared.set_predictor(predictor)
+    shared.set_drift(maps)
+    # Disk and Redis: a folder without the files takes Redis's; one with its own files keeps them.
+    config = EngineConfig(store=StoreConfig(disk_dir=tmp_path, redis_url=redis_url))
+    assert _calibrated_like(make_tiny_engine(config), predictor, maps)
+    local = fidelity.Predictor(0.5, -2.5, tokens=40, flips=2, documents=3)
+    fidelity.save(local, tmp_path / f"fidelity-{shared.fingerprint[:16]}.safetensors", shared.fingerprint)
+    assert make_tiny_engine(config).predictor == local
+
+
+def _foreign(blob: bytes, engine, name: str) -> bytes:
+    """The same calibration, but another model's (its whole fingerprint; the key names only 16 characters)."""
+    return safetensors.torch.save(safetensors.torch.load(blob),
+                                  metadata={**safetensors_metadata(blob), "fingerprint": FOREIGN_FP})
+
+
+def _old_version(blob: bytes, engine, name: str) -> bytes:
+    tensors = safetensors.torch.load(blob)
+    meta = {**safetensors_metadata(blob), "version": "1"}
+    return safetensors.torch.save(tensors, metadata=meta)
+
+
+def _not_finite(blob: bytes, engine, name: str) -> bytes:
+    tensors = {k: torch.full_like(v, float("nan")) for k, v in safetensors.torch.load(blob).items()}
+    return safetensors.torch.save(tensors, metadata=safetensors_metadata(blob))
+
+
+def _cut(blob: bytes, engine, name: str) -> bytes:
+    return blob[:-7]
+
+
+@pytest.mark.parametrize("damage", [_foreign, _old_version, _not_finite, _cut, lambda blob, engine, name: b"junk"],
+                         ids=["foreign", "old-version", "nan", "truncated", "garbage"])
+def test_a_foreign_or_damaged_calibration_in_redis_is_refused(redis_url, raw, make_tiny_engine, damage):
+    config = EngineConfig(store=StoreConfig(redis_url=redis_url))
+    first = make_tiny_engine(config)
+    predictor, maps = _calibration(first)
+    first.set_predictor(predictor)
+    first.set_drift(maps)
+    keys = {name: f"kvboost:{first.fingerprint[:16]}:calibration:{name}" for name in ("fidelity", "drift")}
+    for name, key in keys.items():
+        raw.set(key, damage(raw.get(key), first, name))
+    with pytest.warns(UserWarning, match="not this model's, from an older kvboost-rag, or damaged") as record:
+        second = make_tiny_engine(config)
+    assert second.predictor is None and second.drift is None  # never used
+    assert sum("in the Redis store" in str(w.message) for w in record) == 2
+    # Ingestion still calibrates (it refuses the copy again) and the fit replaces it for everyone.
+    second.ingest(corpus(), calibrate=False)
+    with pytest.warns(UserWarning, match="the next ingest fits it again"):
+        assert calibration.due(second)
+    second.set_predictor(predictor)
+    second.set_drift(maps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _calibrated_like(make_tiny_engine(config), predictor, maps)
+
+
+def test_a_stopped_redis_leaves_an_engine_uncalibrated(tmp_path, make_tiny_engine):
+    proc, url = _start_server(tmp_path)
+    try:
+        config = EngineConfig(store=StoreConfig(redis_url=url))
+        first = make_tiny_engine(config)
+        predictor, maps = _calibration(first)
+        first.set_predictor(predictor)
+        first.set_drift(maps)
+        _stop(proc)
+        with pytest.warns(StoreUnavailableWarning, match="cannot read"):
+            second = make_tiny_engine(config)  # starts: the default curve, no drift maps
+        assert second.predictor is None and second.drift is None
+        with pytest.warns(StoreUnavailableWarning, match="cannot write"):
+            first.set_predictor(predictor)  # kept in this engine; Redis skipped
+        assert first.predictor == predictor
     finally:
         if proc.poll() is None:
             _stop(proc)
