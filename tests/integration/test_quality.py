@@ -56,8 +56,9 @@ def test_progressive_selection_beats_one_fixed_set_at_the_same_budget(real_engin
             "progressive": ("cacheblend", plain),
             "r=0.05": ("cacheblend", replace(plain, recompute_ratio=0.05)),
             "r=0.5": ("cacheblend", replace(plain, recompute_ratio=0.5))}
-    # The tuning split: k = 8 look-alike documents, ~1.6k tokens.
-    totals, _ = kl_against_full(real_engine, load_items(bundled("synthetic_calib"), limit=4), runs)
+    # The tuning split: k = 8 look-alike documents, ~1.6k tokens. Measured on 3 items: progressive 0.126, one
+    # set 0.268, naive 0.703; r=0.5 0.111, r=0.05 0.296.
+    totals, _ = kl_against_full(real_engine, load_items(bundled("synthetic_calib"), limit=3), runs)
     assert totals["progressive"] < totals["one set"] < totals["naive"], totals
     assert totals["r=0.5"] < totals["progressive"] < totals["r=0.05"], totals
 
@@ -71,13 +72,13 @@ def test_drift_correction_brings_reused_documents_closer_to_a_full_prefill(real_
 
     engine = real_engine
     items = load_items(bundled("synthetic_calib"))
-    # 12 prompts of 8 documents from 12 items' documents (the bench fits 24: a test needs the direction only).
-    engine.fit_drift([d for item in items[:12] for d in item.documents], prompts=12)
+    # 8 prompts of 8 documents from 8 items' documents (the bench fits 24: a test needs the direction only).
+    engine.fit_drift([d for item in items[:8] for d in item.documents], prompts=8)
     bare = RepairConfig(fidelity="fast")
     runs = {"naive": replace(bare, recompute_ratio=0.0, drift=False), "mapped": replace(bare, recompute_ratio=0.0),
             "cacheblend": replace(bare, drift=False), "cacheblend+drift": bare}
     # Held out: none of their documents is in the fit.
     cont, first = kl_against_full(engine, items[24:28], {name: ("cacheblend", r) for name, r in runs.items()})
-    # Measured here: continuation 0.353 -> 0.210 at naive's cost; first token 0.064 -> 0.030 under cacheblend.
+    # Measured here: continuation 0.353 -> 0.150 at naive's cost; first token 0.064 -> 0.034 under cacheblend.
     assert cont["mapped"] < cont["naive"], (cont, first)
     assert first["cacheblend+drift"] < 0.8 * first["cacheblend"], (cont, first)

@@ -473,3 +473,33 @@ def test_a_request_beyond_max_requests_gets_429_until_a_slot_frees(narrow_url, e
         assert out.choices[0].finish_reason is not None
         assert _chat(client).choices and _chat(client, stream=True).response.status_code == 200  # each frees its slot
     assert _sample(_metrics(narrow_url), "kvboost_requests_in_flight") == 0
+
+
+# ---- the frameworks' own OpenAI clients ---------------------------------------------------------------------
+
+
+def test_langchain_chat_openai_gets_the_engines_answer(base_url, engine):
+    langchain_openai = pytest.importorskip("langchain_openai", reason="pip install langchain-openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="x", temperature=0,
+                                      max_tokens=GREEDY["max_tokens"], max_retries=0)
+    messages = [("system", QUESTION[0]["content"]), ("human", QUESTION[1]["content"])]
+    expected = engine.generate(QUESTION, max_new_tokens=GREEDY["max_tokens"])
+    reply = llm.invoke(messages)
+    assert reply.content == expected.text
+    assert reply.usage_metadata["input_tokens"] == expected.prompt_tokens
+    streamed = "".join(chunk.content for chunk in llm.stream(messages))
+    assert streamed == expected.text
+
+
+def test_llamaindex_openai_like_gets_the_engines_answer(base_url, engine):
+    openai_like = pytest.importorskip("llama_index.llms.openai_like", reason="pip install llama-index-llms-openai-like")
+    from llama_index.core.llms import ChatMessage
+
+    llm = openai_like.OpenAILike(model=MODEL, api_base=f"{base_url}/v1", api_key="x", is_chat_model=True,
+                                 temperature=0, max_tokens=GREEDY["max_tokens"], max_retries=0)
+    expected = engine.generate(QUESTION, max_new_tokens=GREEDY["max_tokens"])
+    reply = llm.chat([ChatMessage(role=m["role"], content=m["content"]) for m in QUESTION])
+    assert reply.message.content == expected.text
+    streamed = "".join(r.delta or "" for r in llm.stream_chat(
+        [ChatMessage(role=m["role"], content=m["content"]) for m in QUESTION]))
+    assert streamed == expected.text
