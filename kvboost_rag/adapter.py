@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from . import architectures as arch
 from .architectures import COMPOSABLE_ROPE, SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from .attention import CausalRows
 from .kvcache import KVBuffers, RowsCache
 
 __all__ = ["COMPOSABLE_ROPE", "SUPPORTED_MODEL_TYPES", "Masks", "ModelAdapter", "UnsupportedModelError"]
@@ -34,14 +35,16 @@ __all__ = ["COMPOSABLE_ROPE", "SUPPORTED_MODEL_TYPES", "Masks", "ModelAdapter", 
 
 @dataclass(frozen=True)
 class Masks:
-    """Additive attention masks, one per kind of layer (architectures.FULL, SLIDING): [1, 1, Q, K] each, or None
-    where the kernel's own causal masking is exactly right (see ModelAdapter.run_layers)."""
+    """Attention masks, one per kind of layer (architectures.FULL, SLIDING): additive [1, 1, Q, K] tensors, causal
+    masks described (attention.CausalRows, on the CPU where no window cuts in), or None where the kernel's own
+    causal masking is exactly right (see ModelAdapter.run_layers)."""
 
-    by_kind: dict[str, torch.Tensor | None]
+    by_kind: dict[str, torch.Tensor | CausalRows | None]
 
     def rows(self, rows: torch.Tensor) -> Masks:
         """The masks of the queries `rows` [Q'] (indices into Q). Only for masks from `causal_mask`."""
-        return Masks({kind: mask[:, :, rows] for kind, mask in self.by_kind.items()})
+        return Masks({kind: mask.rows(rows) if isinstance(mask, CausalRows) else mask[:, :, rows]
+                      for kind, mask in self.by_kind.items()})
 
 
 @dataclass
@@ -152,11 +155,15 @@ class ModelAdapter:
         """Each query (at `positions` [Q]) sees the cache up to its own position, and in a sliding layer only the
         last `window` of those, as the model's own masks do: [1, 1, Q, attend_len] per kind of layer.
 
-        Additive float masks: sdpa's CPU kernels run them faster than boolean ones."""
+        Additive float masks (sdpa's CPU kernels run them faster than boolean ones), or on the CPU, where no window
+        cuts in, the mask described (attention.py splits it into pieces that need none)."""
         return Masks({kind: self._mask(positions, attend_len, dtype, window) for kind, window in self.windows.items()})
 
-    def _mask(self, positions: torch.Tensor, attend_len: int, dtype: torch.dtype,
-              window: int | None) -> torch.Tensor:
+    def _mask(self, positions: torch.Tensor, attend_len: int, dtype: torch.dtype, window: int | None,
+              dense: bool = False) -> torch.Tensor | CausalRows:
+        if (not dense and self.attention == arch.GQA_SDPA and self.device.type == "cpu"
+                and (window is None or attend_len <= window)):
+            return CausalRows(positions.cpu(), attend_len)
         positions = positions.to(self.device)[:, None]  # [Q, 1]
         cached = torch.arange(attend_len, device=self.device)[None, :]  # [1, K]
         visible = cached <= positions
@@ -204,7 +211,7 @@ class ModelAdapter:
         b, k_max = len(caches), rows.attend_len
         positions = positions.to(self.device)
         # [1, 1, B, K_max] -> [B, 1, 1, K_max]: each row's one query sees its own past (and window), no padding.
-        mask = Masks({kind: self._mask(positions, k_max, hidden.dtype, window).view(b, 1, 1, k_max)
+        mask = Masks({kind: self._mask(positions, k_max, hidden.dtype, window, dense=True).view(b, 1, 1, k_max)
                       for kind, window in self.windows.items()})
         # The B positions as one sequence, [1, B, R], moved to the batch axis: [B, 1, R] per table.
         frames = {table: (cos.transpose(0, 1), sin.transpose(0, 1))

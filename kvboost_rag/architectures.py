@@ -28,6 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .attention import CausalRows, causal_attention
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
 # RoPE variants whose rotation composes, R(a + b) = R(b) R(a), so stored keys can be moved to a new place.
 # Not dynamic NTK (its frequencies change with the sequence length), nor YaRN or LongRoPE (their cos/sin carry
@@ -124,7 +126,10 @@ def _sdpa_gqa_masked(module, query, key, value, attention_mask, dropout=0.0, sca
     rather than copied once per query head: transformers repeats them whenever a mask is given, because CUDA's
     fused kernels refuse GQA with a mask, and on the CPU that copy of the whole cache, every layer, cost more than
     the attention of a reuse path's few queries. query: [B, H, Q, D]; key, value: [B, H_kv, K, D]; the same result
-    bit for bit."""
+    bit for bit. A causal mask described (attention.CausalRows, made by the adapter on the CPU) runs in the
+    pieces attention.py splits it into."""
+    if isinstance(attention_mask, CausalRows):
+        return causal_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is None or query.device.type != "cpu" or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -1,0 +1,82 @@
+"""attention.py's causal pieces against one dense mask: the same attention, on every layout of queries."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvboost_rag.attention import GROUP_ROWS, MIN_RUN, CausalRows, causal_attention, runs
+
+
+def dense_attention(query, key, value, mask: CausalRows, scale):
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.dense(query.dtype, query.device),
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+LAYOUTS = {
+    "a suffix after a cached prefix": lambda k: torch.arange(30, k),
+    "the whole prompt": lambda k: torch.arange(k),
+    "scattered": lambda k: torch.sort(torch.randperm(k)[:40]).values,
+    "many scattered, in groups": lambda k: torch.sort(torch.randperm(k)[:3 * GROUP_ROWS]).values,
+    "runs and scattered": lambda k: torch.cat([torch.tensor([3, 9, 17]), torch.arange(40, 40 + MIN_RUN),
+                                               torch.tensor([120, 121, 150]), torch.arange(k - 50, k)]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_causal_pieces_equal_one_dense_mask(layout, batch):
+    torch.manual_seed(0)
+    k = 1400 if layout == "many scattered, in groups" else 200
+    positions = LAYOUTS[layout](k)
+    query = torch.randn(batch, 6, positions.numel(), 16)
+    key, value = torch.randn(batch, 2, k, 16), torch.randn(batch, 2, k, 16)
+    mask = CausalRows(positions, k)
+    got = causal_attention(query, key, value, mask, 0.3)
+    want = dense_attention(query, key, value, mask, 0.3)
+    assert got.shape == want.shape == (batch, positions.numel(), 6, 16)
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_a_wrong_merge_is_caught():
+    """The check above can fail: dropping the prefix's share of the softmax (the run's block alone) is far off."""
+    torch.manual_seed(0)
+    positions = torch.arange(30, 200)
+    query, key, value = torch.randn(1, 6, 170, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16)
+    own_only = dense_attention(query, key[:, :, 30:], value[:, :, 30:], CausalRows(positions - 30, 170), 0.3)
+    got = causal_attention(query, key, value, CausalRows(positions, 200), 0.3)
+    assert (got - own_only).abs().max() > 0.1
+
+
+def test_bf16_stays_within_bf16_rounding():
+    torch.manual_seed(0)
+    positions = torch.arange(30, 300)
+    query = torch.randn(1, 6, 270, 16, dtype=torch.bfloat16)
+    key, value = torch.randn(1, 2, 300, 16, dtype=torch.bfloat16), torch.randn(1, 2, 300, 16, dtype=torch.bfloat16)
+    mask = CausalRows(positions, 300)
+    got = causal_attention(query, key, value, mask, 0.25).float()
+    want = dense_attention(query.float(), key.float(), value.float(), mask, 0.25)
+    assert (got - want).abs().max() < 2e-2
+
+
+def test_runs_finds_maximal_consecutive_runs():
+    assert runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (3, 4), (4, 6)]
+    assert runs([]) == []
+
+
+def test_the_adapter_describes_cpu_masks_and_keeps_dense_ones_where_a_window_cuts_in():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from kvboost_rag.adapter import ModelAdapter
+    from tests.conftest import tiny_model
+
+    masks = ModelAdapter(tiny_model(vocab_size=64)).causal_mask(torch.arange(5, 20), 20, torch.float32)
+    (mask,) = masks.by_kind.values()
+    assert isinstance(mask, CausalRows) and torch.equal(masks.rows(torch.tensor([0, 3])).by_kind[
+        next(iter(masks.by_kind))].positions, torch.tensor([5, 8]))
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    sliding = ModelAdapter(MistralForCausalLM(config))
+    (cut,) = sliding.causal_mask(torch.arange(5, 20), 20, torch.float32).by_kind.values()
+    (within,) = sliding.causal_mask(torch.arange(2, 6), 6, torch.float32).by_kind.values()
+    assert isinstance(cut, torch.Tensor) and cut.shape == (1, 1, 15, 20) and isinstance(within, CausalRows)
