@@ -65,18 +65,17 @@ def test_runs_finds_maximal_consecutive_runs():
 
 
 def test_the_adapter_describes_cpu_masks_and_keeps_dense_ones_where_a_window_cuts_in():
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     from kvboost_rag.adapter import ModelAdapter
-    from tests.conftest import tiny_model
 
-    masks = ModelAdapter(tiny_model(vocab_size=64)).causal_mask(torch.arange(5, 20), 20, torch.float32)
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2)
+    masks = ModelAdapter(LlamaForCausalLM(LlamaConfig(**sizes))).causal_mask(torch.arange(5, 20), 20, torch.float32)
     (mask,) = masks.by_kind.values()
     assert isinstance(mask, CausalRows) and torch.equal(masks.rows(torch.tensor([0, 3])).by_kind[
         next(iter(masks.by_kind))].positions, torch.tensor([5, 8]))
-    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    sliding = ModelAdapter(MistralForCausalLM(config))
+    sliding = ModelAdapter(MistralForCausalLM(MistralConfig(**sizes, sliding_window=8)))
     (cut,) = sliding.causal_mask(torch.arange(5, 20), 20, torch.float32).by_kind.values()
     (within,) = sliding.causal_mask(torch.arange(2, 6), 6, torch.float32).by_kind.values()
     assert isinstance(cut, torch.Tensor) and cut.shape == (1, 1, 15, 20) and isinstance(within, CausalRows)
