@@ -45,6 +45,30 @@ def decode(adapter, caches: Sequence[KVBuffers], tokens: Sequence[int], position
     return adapter.logits(hidden.transpose(0, 1))
 
 
+class EngineLock:
+    """The engine's re-entrant lock, which can tell whether the calling thread holds it (threading.RLock keeps
+    that to itself): a step taken under it must not wait for a leader that waits for it."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._owner: int | None = None  # read without the lock: only the owner ever sees its own ident there
+        self._depth = 0
+
+    def __enter__(self) -> EngineLock:
+        self._lock.acquire()
+        self._owner, self._depth = threading.get_ident(), self._depth + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+
 @dataclass(eq=False)
 class _Step:
     cache: KVBuffers
@@ -63,7 +87,7 @@ class _Step:
 class DecodeBatcher:
     """Group commit of decode steps over one engine's adapter, under its lock (see the module docstring)."""
 
-    def __init__(self, adapter, lock: threading.RLock, window_s: float = WINDOW_S):
+    def __init__(self, adapter, lock: EngineLock, window_s: float = WINDOW_S):
         self.adapter, self.lock, self.window_s = adapter, lock, window_s
         self._changed = threading.Condition()
         self._pending: list[_Step] = []
@@ -86,7 +110,7 @@ class DecodeBatcher:
 
     def step(self, cache: KVBuffers, token: int, position: int) -> torch.Tensor:
         """Append `token` at `position` to `cache` in the next batch: the next-token logits [V] fp32."""
-        if self.lock._is_owned():
+        if self.lock.held_here():
             # The caller holds the engine lock already (calibration decodes under it): a leader would wait for
             # that lock while this caller waited for the leader. It runs alone, at once.
             with self.lock:

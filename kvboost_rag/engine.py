@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -148,7 +147,7 @@ class KVBoost:
         self._eos_ids = eos_ids(loaded.model, self.tokenizer)
         self._context_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the ingestion context K/V
         # One forward at a time: the model and the store's write-back are shared by all callers.
-        self.lock = threading.RLock()
+        self.lock = batching.EngineLock()
         # Concurrent streams' decode steps, one forward per round (batching.py); a lone stream is a batch of one.
         self.batcher = batching.DecodeBatcher(self.adapter, self.lock)
         # What the engine did, for callers and tests: documents computed or found stored, chunks written back.

@@ -221,3 +221,20 @@ def test_a_caller_holding_the_engine_lock_does_not_wait_for_a_leader(make_tiny_e
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "deadlock: the leader waits for the lock its follower holds"
     assert len(results) == 2 and torch.equal(results[0], results[1])
+
+
+def test_the_engine_lock_knows_whether_this_thread_holds_it():
+    import threading
+
+    from kvboost_rag.batching import EngineLock
+
+    lock, seen = EngineLock(), []
+    assert not lock.held_here()
+    with lock:
+        with lock:  # re-entrant
+            assert lock.held_here()
+        assert lock.held_here()
+        other = threading.Thread(target=lambda: seen.append(lock.held_here()))
+        other.start()
+        other.join()
+    assert seen == [False] and not lock.held_here()
