@@ -20,6 +20,7 @@ the adapter describes its masks as `CausalRows` on the CPU, for layers whose win
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,16 @@ class CausalRows:
 
     def rows(self, rows: torch.Tensor) -> CausalRows:
         return CausalRows(self.positions[rows], self.attend_len)
+
+    @cached_property
+    def pieces(self) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
+        """The long runs as (first row, end row, first position), and the other rows [R'] (scattered): worked out
+        once for all the layers that take this mask (at 8k positions, a pass over them costs ~1 ms per layer)."""
+        positions = self.positions.tolist()
+        bounds = runs(positions)
+        long = [(a, e, positions[a]) for a, e in bounds if e - a >= MIN_RUN]
+        short = torch.tensor([row for a, e in bounds if e - a < MIN_RUN for row in range(a, e)], dtype=torch.long)
+        return long, short
 
     def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The same mask as an additive [1, 1, Q, K] tensor."""
@@ -135,19 +146,15 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scale: float | None) -> torch.Tensor:
     """query: [B, H, Q, D] at mask.positions; key, value: [B, H_kv, K, D] -> [B, Q, H, D], as the attention
     modules take their output back."""
-    positions = mask.positions.tolist()
-    bounds = runs(positions)
-    long = [(a, b) for a, b in bounds if b - a >= MIN_RUN]
+    long, short = mask.pieces
     b, heads, q, dim = query.shape
     if not long:
         return _scattered(query, key, value, mask.positions, scale).transpose(1, 2).contiguous()
     out = query.new_empty(b, q, heads, dim)
-    for a, e in long:
-        keys_seen = positions[e - 1] + 1
-        out[:, a:e] = _run(query[:, :, a:e], key[:, :, :keys_seen], value[:, :, :keys_seen], positions[a],
+    for a, e, start in long:
+        keys_seen = start + e - a
+        out[:, a:e] = _run(query[:, :, a:e], key[:, :, :keys_seen], value[:, :, :keys_seen], start,
                            scale).transpose(1, 2)
-    short = [row for a, e in bounds if e - a < MIN_RUN for row in range(a, e)]
-    if short:
-        rows = torch.tensor(short)
-        out[:, rows] = _scattered(query[:, :, rows], key, value, mask.positions[rows], scale).transpose(1, 2)
+    if short.numel():
+        out[:, short] = _scattered(query[:, :, short], key, value, mask.positions[short], scale).transpose(1, 2)
     return out
