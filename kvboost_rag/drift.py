@@ -29,13 +29,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import safetensors.torch
 import torch
 from tqdm.auto import tqdm
 
-from .store.files import make_dir, safetensors_metadata, write_atomic
+from .store.files import safetensors_metadata
 
 VERSION = 2
 RIDGE = 1e-2  # keeps the normal equations well posed for channels that barely vary
@@ -201,7 +200,7 @@ def fit(adapter, samples: Sequence[tuple[torch.Tensor, Sequence]], places: int =
 
 def to_bytes(maps: DriftMaps, fingerprint: str) -> bytes:
     """The maps as safetensors, their metadata naming the model (fingerprint) and format version: what `save`
-    writes to a file and the engine puts in a Redis tier (calibrate.py)."""
+    and the engine keeps beside its store (calibrate.save: a file, a Redis value)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts)}
     return safetensors.torch.save({"keys": maps.keys, "values": maps.values}, metadata=meta)
 
@@ -222,17 +221,3 @@ def from_bytes(data: bytes, fingerprint: str, adapter) -> DriftMaps | None:
         return None
     return DriftMaps(keys.float(), values.float(), int(meta.get("prompts", 0)))
 
-
-def save(maps: DriftMaps, path: Path, fingerprint: str, mode: int = 0o600) -> None:
-    """Write the maps atomically with permissions `mode` (StoreConfig.file_mode: they sit in the store folder)."""
-    make_dir(path.parent, mode)
-    write_atomic(path, to_bytes(maps, fingerprint), mode)
-
-
-def load(path: Path, fingerprint: str, adapter) -> DriftMaps | None:
-    """The maps saved at `path` when they are this engine's and whole (see from_bytes); else None."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError:  # unreadable counts as absent
-        return None
-    return from_bytes(data, fingerprint, adapter)

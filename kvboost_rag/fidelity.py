@@ -25,12 +25,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import safetensors.torch
 import torch
 
-from .store.files import make_dir, safetensors_metadata, write_atomic
+from .store.files import safetensors_metadata
 
 VERSION = 2
 LEVELS = ("fast", "balanced", "strict")
@@ -110,7 +109,7 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0) -
 
 def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:
     """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what `save`
-    writes to a file and the engine puts in a Redis tier (calibrate.py)."""
+    and the engine keeps beside its store (calibrate.save: a file, a Redis value)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "tokens": str(predictor.tokens),
             "flips": str(predictor.flips), "documents": str(predictor.documents)}
     curve = torch.tensor([predictor.intercept, predictor.slope], dtype=torch.float64)
@@ -131,16 +130,3 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
         return None
     return Predictor(float(curve[0]), float(curve[1]), **counts)
 
-
-def save(predictor: Predictor, path: Path, fingerprint: str, mode: int = 0o600) -> None:
-    make_dir(path.parent, mode)
-    write_atomic(path, to_bytes(predictor, fingerprint), mode)
-
-
-def load(path: Path, fingerprint: str) -> Predictor | None:
-    """The predictor saved at `path` when it is this engine's and whole (see from_bytes); else None."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError:  # unreadable counts as absent
-        return None
-    return from_bytes(data, fingerprint)

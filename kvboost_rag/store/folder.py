@@ -27,7 +27,7 @@ from kvboost_rag.store.files import TEMP_SUFFIX, _mtime, _stat, is_locked
 # What each name in the folder is (see file_kind). Prefix keys are written as lowercase hex by entry_path.
 _KINDS = (
     ("entry", re.compile(r"(?:[0-9a-f]{2})+\.safetensors")),
-    ("drift", re.compile(r"drift-[0-9a-f]{16}\.safetensors")),  # drift.save, named by the engine
+    ("drift", re.compile(r"drift-[0-9a-f]{16}\.safetensors")),  # calibrate.save, named by the engine
     ("documents", re.compile(r"documents-[0-9a-f]{16}\.jsonl")),  # DocumentIndex, named by make_index
     ("index", re.compile(r"index-[0-9a-f]{16}\.json")),  # DiskStore's own index
 )
@@ -132,7 +132,7 @@ def _verify_entry(path: Path, fingerprint: str | None, report: VerifyReport) -> 
 
 
 def _check_drift(path: Path) -> None:
-    """What the engine's drift.load checks without the model (it also checks the shapes against the model)."""
+    """What the engine's drift.from_bytes checks without the model (it also checks the shapes against the model)."""
     from kvboost_rag import drift  # drift.py imports store/files.py: imported here, not at the top (see verify_dir)
 
     with _open(path) as f:

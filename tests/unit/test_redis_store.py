@@ -30,7 +30,7 @@ from kvboost_rag.drift import DriftMaps
 from kvboost_rag.keys import content_key
 from kvboost_rag.store.documents import Document, DocumentIndex, encode_record
 from kvboost_rag.store.entries import StoreIntegrityWarning, entry_bytes
-from kvboost_rag.store.files import safetensors_metadata
+from kvboost_rag.store.files import safetensors_metadata, write_atomic
 from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.quant import StoredEntry, encode_entry
 from kvboost_rag.store.redis import RedisStore, StoreUnavailableWarning
@@ -646,7 +646,8 @@ def test_a_local_file_comes_first_and_redis_serves_where_there_is_none(redis_url
     config = EngineConfig(store=StoreConfig(disk_dir=tmp_path, redis_url=redis_url))
     assert _calibrated_like(make_tiny_engine(config), predictor, maps)
     local = fidelity.Predictor(0.5, -2.5, tokens=40, flips=2, documents=3)
-    fidelity.save(local, tmp_path / f"fidelity-{shared.fingerprint[:16]}.safetensors", shared.fingerprint)
+    write_atomic(tmp_path / f"fidelity-{shared.fingerprint[:16]}.safetensors",
+                 fidelity.to_bytes(local, shared.fingerprint))
     assert make_tiny_engine(config).predictor == local
 
 

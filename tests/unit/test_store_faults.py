@@ -274,7 +274,7 @@ def store_folder(tmp_path, store_make_entry):
     store.close()
     _written_index(tmp_path)
     drift_path = tmp_path / f"drift-{DOCS_FP[:16]}.safetensors"
-    drift.save(_maps(), drift_path, DOCS_FP)
+    write_atomic(drift_path, drift.to_bytes(_maps(), DOCS_FP))
     return store, drift_path
 
 
@@ -550,7 +550,7 @@ def test_every_file_gets_the_configured_mode(tmp_path, store_make_entry, open_um
     store.put(store_make_entry(1))
     store.close()
     DocumentIndex(_index_path(folder), file_mode=file_mode).add(_doc(1))
-    drift.save(_maps(), folder / f"drift-{DOCS_FP[:16]}.safetensors", DOCS_FP, file_mode)
+    write_atomic(folder / f"drift-{DOCS_FP[:16]}.safetensors", drift.to_bytes(_maps(), DOCS_FP), file_mode)
     assert _mode(folder) == folder_mode
     files = list(folder.iterdir())
     assert len(files) == 4 and {p.name: _mode(p) for p in files} == {p.name: file_mode for p in files}
@@ -560,7 +560,7 @@ def test_defaults_are_owner_only(make_tiny_engine, docs, tmp_path, open_umask):
     engine = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path / "store")))
     engine.ingest(docs[:1])
     engine.close()
-    drift.save(_maps(), engine.drift_path, engine.fingerprint)  # the engine's own call
+    engine.set_drift(_maps())  # the engine's own call
     assert _mode(tmp_path / "store") == 0o700
     assert {_mode(p) for p in (tmp_path / "store").iterdir()} == {0o600}
 
