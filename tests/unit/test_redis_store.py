@@ -651,28 +651,20 @@ def test_a_local_file_comes_first_and_redis_serves_where_there_is_none(redis_url
     assert make_tiny_engine(config).predictor == local
 
 
-def _foreign(blob: bytes, engine, name: str) -> bytes:
-    """The same calibration, but another model's (its whole fingerprint; the key names only 16 characters)."""
-    return safetensors.torch.save(safetensors.torch.load(blob),
-                                  metadata={**safetensors_metadata(blob), "fingerprint": FOREIGN_FP})
+def _with_metadata(**changes):
+    """The same calibration with its metadata changed: another model's (its whole fingerprint; the key names only
+    16 characters), or an older format's."""
+    return lambda blob: safetensors.torch.save(safetensors.torch.load(blob),
+                                               metadata={**safetensors_metadata(blob), **changes})
 
 
-def _old_version(blob: bytes, engine, name: str) -> bytes:
-    tensors = safetensors.torch.load(blob)
-    meta = {**safetensors_metadata(blob), "version": "1"}
-    return safetensors.torch.save(tensors, metadata=meta)
-
-
-def _not_finite(blob: bytes, engine, name: str) -> bytes:
+def _not_finite(blob: bytes) -> bytes:
     tensors = {k: torch.full_like(v, float("nan")) for k, v in safetensors.torch.load(blob).items()}
     return safetensors.torch.save(tensors, metadata=safetensors_metadata(blob))
 
 
-def _cut(blob: bytes, engine, name: str) -> bytes:
-    return blob[:-7]
-
-
-@pytest.mark.parametrize("damage", [_foreign, _old_version, _not_finite, _cut, lambda blob, engine, name: b"junk"],
+@pytest.mark.parametrize("damage", [_with_metadata(fingerprint=FOREIGN_FP), _with_metadata(version="1"), _not_finite,
+                                    lambda blob: blob[:-7], lambda blob: b"junk"],
                          ids=["foreign", "old-version", "nan", "truncated", "garbage"])
 def test_a_foreign_or_damaged_calibration_in_redis_is_refused(redis_url, raw, make_tiny_engine, damage):
     config = EngineConfig(store=StoreConfig(redis_url=redis_url))
@@ -680,9 +672,9 @@ def test_a_foreign_or_damaged_calibration_in_redis_is_refused(redis_url, raw, ma
     predictor, maps = _calibration(first)
     first.set_predictor(predictor)
     first.set_drift(maps)
-    keys = {name: f"kvboost:{first.fingerprint[:16]}:calibration:{name}" for name in ("fidelity", "drift")}
-    for name, key in keys.items():
-        raw.set(key, damage(raw.get(key), first, name))
+    for name in ("fidelity", "drift"):
+        key = f"kvboost:{first.fingerprint[:16]}:calibration:{name}"
+        raw.set(key, damage(raw.get(key)))
     with pytest.warns(UserWarning, match="not this model's, from an older kvboost-rag, or damaged") as record:
         second = make_tiny_engine(config)
     assert second.predictor is None and second.drift is None  # never used
