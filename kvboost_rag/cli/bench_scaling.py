@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .. import models
 from ..bench.data import load_items
 from ..bench.report import scaling_table, write_scaling
 from ..bench.scaling import DEFAULT_SIZES, DEFAULT_STRATEGIES, run_scaling
@@ -43,11 +44,15 @@ def add_parser(sub) -> None:
     p.add_argument("--no-plot", action="store_true", help="write no PNG (matplotlib: the bench extra)")
     p.add_argument("--quiet", action="store_true", help="no progress bars (a log file keeps the table only)")
     add_engine_options(p)
-    # 16-bit timing by default: what a deployment would run (float32 for a CPU without bf16 instructions).
-    p.set_defaults(dtype="bfloat16", func=main)
+    # Unset: the dtype a deployment would time (models.fastest_dtype: bfloat16 where the device has it in
+    # hardware, float32 on a CPU without bf16 instructions).
+    p.set_defaults(dtype=None, func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.dtype is None:
+        args.dtype = models.fastest_dtype(models.resolve_device(args.device))
+        print(f"timing in {args.dtype} (models.fastest_dtype on this machine; --dtype to choose)", flush=True)
     config, specs = checked_settings(args)
     items = load_items(args.data)[args.skip:]
     if not items:

@@ -3,6 +3,8 @@ saying what to install when its package is absent, and any .gguf file, converted
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -50,3 +52,33 @@ def test_the_converted_copy_is_keyed_by_name_and_digest_and_written_once(tmp_pat
     assert first == tmp_path / "models" / "some-model-0123456789abcdef" and (first / "config.json").exists()
     assert models.converted("some-model", "0123456789abcdef0123", write) == first and len(writes) == 1
     assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]  # no half-written folder left
+
+
+AVX2_ONLY = {"cpu_name": "AMD EPYC", "avx2": True, "avx512_bf16": False, "amx_bf16": False, "avx512_fp16": False,
+             "amx_fp16": False}
+
+
+def test_16_bit_dtypes_count_as_native_only_where_the_cpu_has_the_instructions(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AVX2_ONLY)
+    assert models.native_matmuls(torch.float32, cpu) and not models.native_matmuls(torch.bfloat16, cpu)
+    assert not models.native_matmuls(torch.float16, cpu) and models.fastest_dtype(cpu) == "float32"
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AVX2_ONLY | {"amx_bf16": True})
+    assert models.native_matmuls(torch.bfloat16, cpu) and not models.native_matmuls(torch.float16, cpu)
+    assert models.fastest_dtype(cpu) == "bfloat16"
+
+
+def test_loading_in_an_emulated_dtype_warns_and_says_what_to_use(tmp_path, monkeypatch, bundled_tokenizer):
+    folder = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(folder)
+    bundled_tokenizer.save_pretrained(folder)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AVX2_ONLY)
+    with pytest.warns(UserWarning, match=r"AMD EPYC has no bfloat16 instructions.*use dtype 'float32'"):
+        loaded = models.load(str(folder), dtype="bfloat16", device="cpu")
+    assert loaded.model.dtype == torch.bfloat16  # a warning, not a refusal: the user may want the memory
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AVX2_ONLY | {"avx512_bf16": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models.load(str(folder), dtype="bfloat16", device="cpu")
+        models.load(str(folder), dtype="float32", device="cpu")
