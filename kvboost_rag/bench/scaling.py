@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import calibrate as calibration
+from .. import models
 from ..engine import KVBoost
 from .data import BenchItem
 from .run import FULL, StrategySpec, read_stored, render_prompt, run_item, score, store_shared_prefix, summarize
@@ -129,10 +130,14 @@ def ingest(engine: KVBoost, texts: Sequence[str], progress: bool) -> dict:
 
 
 def device_name(device: torch.device) -> str:
-    """The GPU's name (torch.cuda.get_device_name), or the CPU's as the platform tells it."""
+    """The GPU's name (torch.cuda.get_device_name), or the CPU's, its threads and whether it has bf16 instructions
+    (timing in bf16 means something only where it has them: models.native_matmuls)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    capabilities = getattr(torch.cpu, "get_capabilities", lambda: {})()  # cpuinfo's name, e.g. "AMD EPYC"
+    name = capabilities.get("cpu_name") or platform.processor() or platform.machine()
+    native = models.native_matmuls(torch.bfloat16, device)
+    return f"CPU {name}, {torch.get_num_threads()} threads, {'with' if native else 'no'} bf16 instructions"
 
 
 def run_scaling(engine: KVBoost, items: Sequence[BenchItem], specs: list[StrategySpec], *,

@@ -13,7 +13,7 @@ from kvboost_rag import KVBoost, models
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.report import scaling_table, write_scaling
 from kvboost_rag.bench.run import parse_strategies, render_prompt
-from kvboost_rag.bench.scaling import build_prompts, run_scaling, token_counter
+from kvboost_rag.bench.scaling import build_prompts, device_name, run_scaling, token_counter
 from kvboost_rag.bench.scaling import ingest as ingest_as_shipped
 from kvboost_rag.cli import main as cli_main
 from kvboost_rag.cli.bench_scaling import BUNDLED_SET
@@ -163,3 +163,10 @@ def test_the_cli_runs_end_to_end_and_refuses_bad_sizes(make_tiny_engine, monkeyp
     with pytest.raises(SystemExit):
         cli_main(["bench-scaling", "--sizes", "1000,8"])
     assert "argument --sizes: must be a comma list of prompt sizes" in capsys.readouterr().err
+
+
+def test_the_device_name_says_which_cpu_and_whether_it_has_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "AMD EPYC", "avx512_bf16": False})
+    assert device_name(torch.device("cpu")) == f"CPU AMD EPYC, {torch.get_num_threads()} threads, no bf16 instructions"
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "Xeon", "amx_bf16": True})
+    assert device_name(torch.device("cpu")).endswith("with bf16 instructions")
