@@ -66,6 +66,11 @@ def test_16_bit_dtypes_count_as_native_only_where_the_cpu_has_the_instructions(m
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AVX2_ONLY | {"amx_bf16": True})
     assert models.native_matmuls(torch.bfloat16, cpu) and not models.native_matmuls(torch.float16, cpu)
     assert models.fastest_dtype(cpu) == "bfloat16"
+    gpu = torch.device("cuda", 0)  # no GPU needed: only what torch says of it is read
+    assert models.native_matmuls(torch.bfloat16, gpu)
+    for has_bf16, fastest in ((True, "bfloat16"), (False, "float16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda has=has_bf16: has)
+        assert models.fastest_dtype(gpu) == fastest
 
 
 def test_loading_in_an_emulated_dtype_warns_and_says_what_to_use(tmp_path, monkeypatch, bundled_tokenizer):
