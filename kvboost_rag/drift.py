@@ -199,8 +199,8 @@ def fit(adapter, samples: Sequence[tuple[torch.Tensor, Sequence]], places: int =
 
 
 def to_bytes(maps: DriftMaps, fingerprint: str) -> bytes:
-    """The maps as safetensors, their metadata naming the model (fingerprint) and format version: what `save`
-    and the engine keeps beside its store (calibrate.save: a file, a Redis value)."""
+    """The maps as safetensors, their metadata naming the model (fingerprint) and format version: what
+    calibrate.save keeps beside the engine's store (a file, a Redis value)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "prompts": str(maps.prompts)}
     return safetensors.torch.save({"keys": maps.keys, "values": maps.values}, metadata=meta)
 

@@ -108,8 +108,8 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0) -
 
 
 def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:
-    """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what `save`
-    and the engine keeps beside its store (calibrate.save: a file, a Redis value)."""
+    """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what
+    calibrate.save keeps beside the engine's store (a file, a Redis value)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "tokens": str(predictor.tokens),
             "flips": str(predictor.flips), "documents": str(predictor.documents)}
     curve = torch.tensor([predictor.intercept, predictor.slope], dtype=torch.float64)

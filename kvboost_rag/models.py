@@ -62,15 +62,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
 
 
+def cpu_capabilities() -> dict:
+    """What this CPU has (torch.cpu.get_capabilities: instruction sets, "cpu_name"); empty where torch is too old
+    to say."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    return dict(capabilities()) if capabilities is not None else {}
+
+
 def native_matmuls(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `device` multiplies `dtype` matrices in hardware. A CPU without bf16 (fp16) instructions has torch
     emulate them, several times slower than float32: a full prefill of 1k tokens took 14.3 s in bfloat16 against
-    3.0 s in float32 on an AVX2-only AMD EPYC. GPUs, and a torch too old to say (no torch.cpu.get_capabilities),
-    count as native."""
-    capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if dtype == torch.float32 or device.type != "cpu" or capabilities is None:
+    3.0 s in float32 on an AVX2-only AMD EPYC. GPUs, and a torch too old to say, count as native."""
+    have = cpu_capabilities()
+    if dtype == torch.float32 or device.type != "cpu" or not have:
         return True
-    have = capabilities()
     names = {torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),  # x86, then ARM
              torch.float16: ("avx512_fp16", "amx_fp16", "fp16_arith")}.get(dtype, ())
     return any(have.get(name) for name in names)
@@ -264,7 +269,7 @@ def load(name_or_path: str | None = None, dtype: str | torch.dtype = "float32",
     torch_dtype = parse_dtype(dtype)
     target = resolve_device(device)  # before anything loads: a machine without that device fails at once
     if not native_matmuls(torch_dtype, target):
-        cpu = torch.cpu.get_capabilities().get("cpu_name") or "this CPU"
+        cpu = cpu_capabilities().get("cpu_name") or "this CPU"
         warnings.warn(f"kvboost-rag: {cpu} has no {dtype_name(torch_dtype)} instructions, so torch emulates them: "
                       f"{dtype_name(torch_dtype)} runs several times slower than float32 here; use dtype "
                       "'float32' (--dtype float32) on this machine", stacklevel=2)

@@ -134,8 +134,7 @@ def device_name(device: torch.device) -> str:
     (timing in bf16 means something only where it has them: models.native_matmuls)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    capabilities = getattr(torch.cpu, "get_capabilities", lambda: {})()  # cpuinfo's name, e.g. "AMD EPYC"
-    name = capabilities.get("cpu_name") or platform.processor() or platform.machine()
+    name = models.cpu_capabilities().get("cpu_name") or platform.processor() or platform.machine()
     native = models.native_matmuls(torch.bfloat16, device)
     return f"CPU {name}, {torch.get_num_threads()} threads, {'with' if native else 'no'} bf16 instructions"
 
