@@ -185,7 +185,10 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
         if sums is not None and sums.prompts:
             engine.set_drift(drift.solve(sums))
         # Pass 2, with the maps: the default strategy's cache teacher-forced on each full answer.
-        unguarded = dataclasses.replace(engine.config.repair, fidelity="fast")
+        # At the budget the engine's requests run at (a level's budget goes with the level, not with "fast"); a
+        # request that repairs more, under "strict", is judged by this curve too: a conservative one for it.
+        repair = engine.config.repair
+        unguarded = dataclasses.replace(repair, fidelity="fast", recompute_ratio=repair.budget)
         margins, flipped = [], []
         for prompt, answer in zip(laid_out, answers, strict=True):
             if answer:

@@ -55,7 +55,7 @@ def _setting(current, value: str, label: str):
             return float(value)
         except ValueError:
             return value
-    return type(current)(value)
+    return float(value) if current is None else type(current)(value)  # None: a number not set (recompute_ratio)
 
 
 def parse_strategies(text: str, base: RepairConfig) -> list[StrategySpec]:

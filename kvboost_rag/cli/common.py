@@ -89,7 +89,8 @@ def add_repair_options(parser: argparse.ArgumentParser) -> None:
             r.add_argument(flag(f.name), default=f.default, action=argparse.BooleanOptionalAction,
                            help=f.metadata["help"])
         else:
-            kind = {"int": int, "float": float, "str": str, "str | float": level_or_number}.get(f.type, f.type)
+            kind = {"int": int, "float": float, "float | None": float, "str": str,
+                    "str | float": level_or_number}.get(f.type, f.type)
             r.add_argument(flag(f.name), type=kind, default=f.default, help=f.metadata["help"])
 
 

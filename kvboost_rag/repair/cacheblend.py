@@ -14,9 +14,10 @@ stay wrong. Why the recency weight: the question attends most to the documents j
 later a document sits the more context its stored KV never saw; deviation is scaled by
 ((position + 1) / n) ** recency before ranking.
 
-Cost: `recompute_ratio` is the fraction of reused tokens run per layer after the check layer, averaged
-over those layers (1.0 recomputes everything: a full prefill). A request reports as its recomputed
-tokens the number of tokens run per layer after the check layer (uncached ones included), averaged.
+Cost: `recompute_ratio` (RepairConfig.budget: the fidelity level's when not given) is the fraction of reused
+tokens run per layer after the check layer, averaged over those layers (1.0 recomputes everything: a full
+prefill). A request reports as its recomputed tokens the number of tokens run per layer after the check layer
+(uncached ones included), averaged.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
     which the unrepaired tokens keep."""
     n, num_layers = plan.num_tokens, adapter.num_layers
     always = plan.computed_positions()  # uncached: run every layer
-    if config.recompute_ratio <= 0:  # nothing reused is repaired: naive reuse
+    budget = config.budget  # recompute_ratio, else the fidelity level's
+    if budget <= 0:  # nothing reused is repaired: naive reuse
         hidden = adapter.run_layers(adapter.embed(plan.token_ids[always]), always, cache, range(num_layers), n)
         return BlendResult(hidden[:, -1:], [always])
     reused = plan.positions(APPROX)
@@ -102,7 +104,7 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
     head = torch.cat(head) if head else torch.empty(0, dtype=torch.long)
     check = min(max(config.check_layer, 0), num_layers - 1)
     # fractions[j]: of the reused tokens, how many get fresh K/V at layer check + 1 + j.
-    fractions = layer_fractions(config.recompute_ratio, max(config.taper, 1.0), num_layers - check - 1)
+    fractions = layer_fractions(budget, max(config.taper, 1.0), num_layers - check - 1)
     num_reused = int(torch.isin(positions, always, invert=True).sum())
     weight = ((positions.float() + 1) / n) ** config.recency  # [Q] later tokens count more
 

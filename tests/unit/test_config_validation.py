@@ -13,7 +13,9 @@ from kvboost_rag import models
 from kvboost_rag.cli import main as cli_main
 from kvboost_rag.config import (
     DTYPE_NAMES,
+    FIDELITY_LEVELS,
     KV_BITS,
+    LEVEL_BUDGETS,
     ChunkingConfig,
     ConfigError,
     EngineConfig,
@@ -54,6 +56,16 @@ def test_repair_config_keeps_the_edges_of_each_range():
                          size_multiple=-1, drift=False)
     assert dataclasses.replace(edges, recompute_ratio=1, taper=64).recompute_ratio == 1
     assert isinstance(ConfigError("x", "y"), ValueError)  # callers catching ValueError still catch it
+
+
+def test_the_recompute_budget_is_the_fidelity_levels_unless_given():
+    assert RepairConfig().recompute_ratio is None and RepairConfig().budget == LEVEL_BUDGETS["balanced"]
+    assert RepairConfig(fidelity="strict").budget == LEVEL_BUDGETS["strict"] > LEVEL_BUDGETS["balanced"]
+    assert RepairConfig(fidelity="fast").budget == LEVEL_BUDGETS["fast"]
+    assert RepairConfig(fidelity=0.2).budget == LEVEL_BUDGETS["balanced"]  # a numeric target: balanced's
+    assert RepairConfig(fidelity="strict", recompute_ratio=0.3).budget == 0.3  # given: kept, whatever the level
+    assert dataclasses.replace(RepairConfig(recompute_ratio=0.3), recompute_ratio=None).budget == 0.07
+    assert set(LEVEL_BUDGETS) == set(FIDELITY_LEVELS)
 
 
 @pytest.mark.parametrize(("make", "name", "span"), [

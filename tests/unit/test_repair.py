@@ -117,6 +117,22 @@ def test_cacheblend_budget_ends_are_full_prefill_and_naive_reuse(reordered):
     assert none.recomputed_tokens == naive.recomputed_tokens and torch.equal(none.logits, naive.logits)
 
 
+def test_strict_repairs_more_than_balanced_unless_a_budget_is_given(reordered):
+    engine, prompt = reordered
+    plan = engine.plan(prompt, "cacheblend")
+
+    def recomputed(repair: RepairConfig) -> int:  # the repair alone: the guard may fall back on a random model
+        with torch.inference_mode():
+            return cacheblend_prefill(engine.adapter, assemble(plan, engine.adapter, plan.num_tokens), plan,
+                                      dataclasses.replace(repair, size_multiple=0)).recomputed_tokens
+
+    runs = {name: recomputed(repair) for name, repair in (
+        ("balanced", RepairConfig()), ("strict", RepairConfig(fidelity="strict")),
+        ("strict at balanced's", RepairConfig(fidelity="strict", recompute_ratio=0.07)),
+        ("fast", RepairConfig(fidelity="fast")), ("0.15 given", RepairConfig(recompute_ratio=0.15)))}
+    assert runs["strict"] == runs["0.15 given"] > runs["balanced"] == runs["strict at balanced's"] == runs["fast"], runs
+
+
 def test_selection_ranks_by_deviation():
     deviation = torch.tensor([0.0, 5.0, 1.0, 9.0, 3.0])
     candidates = torch.tensor([0, 1, 2, 3])  # index 4 is not a candidate
