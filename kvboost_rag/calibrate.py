@@ -1,16 +1,16 @@
 """Calibration on the corpus: the drift maps and the fidelity guard's predictor, fitted in one pass.
 
-Run by `KVBoost.ingest` by itself once the engine knows MIN_DOCUMENTS documents, and again whenever the corpus
-has doubled since and grown by REFIT_GROWTH documents, so its cost stays a bounded share of ingestion: per
-prompt, one full prefill (the drift maps' truth) and its greedy answer, then one repaired prefill teacher-forced
-on it, shown in a progress bar. `KVBoost.calibrate` runs it on demand. Both results are saved next to the
-store's disk tier under the engine's fingerprint, and in its Redis tier when it has one (the same safetensors
-bytes, `kvboost:{fingerprint[:16]}:calibration:drift` and `:fidelity`), so that a restarted server or another
-process on the same Redis starts calibrated. An engine takes them up when it starts (the file first, else
-Redis), and `due` looks again before fitting: another process may have calibrated this corpus meanwhile. A copy
-from another model, dtype, tokenizer or encoding, of an older format or damaged is refused, warned about and
-fitted again (drift.from_bytes, fidelity.from_bytes); an unreachable Redis is a StoreUnavailableWarning and no
-calibration from it.
+Run by `KVBoost.ingest` by itself once the engine knows MIN_DOCUMENTS documents, and again whenever the corpus has
+doubled since and grown by REFIT_GROWTH documents, so its cost stays a bounded share of ingestion: per prompt, one
+full prefill (the drift maps' truth) and its greedy answer, then one repaired prefill teacher-forced on it per
+recompute budget the fidelity levels run at (two by default), shown in a progress bar. `KVBoost.calibrate` runs it
+on demand. Both results are saved next to the store's disk tier under the engine's fingerprint, and in its Redis
+tier when it has one (the same safetensors bytes, `kvboost:{fingerprint[:16]}:calibration:drift` and `:fidelity`),
+so that a restarted server or another process on the same Redis starts calibrated. An engine takes them up when it
+starts (the file first, else Redis), and `due` looks again before fitting: another process may have calibrated
+this corpus meanwhile. A copy from another model, dtype, tokenizer or encoding, of an older format or damaged is
+refused, warned about and fitted again (drift.from_bytes, fidelity.from_bytes); an unreachable Redis is a
+StoreUnavailableWarning and no calibration from it.
 
 Drives the engine through its public methods; the engine imports this module, not the other way round.
 """
@@ -160,15 +160,18 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
     """Fit the drift maps (when the engine's repair maps drift), then the fidelity guard's flip curve, on prompts
     made of the corpus's documents laid out by `layout` (see fit_drift); the engine uses both from now on.
 
-    The curve's samples: for each prompt, a full prefill's greedy answer (TOKENS tokens), and the default
-    strategy's cache teacher-forced on it; at every step, the reused cache's margin and whether its top token
-    differs from the full prefill's there (the situation of a guarded request whose answer so far is full's)."""
+    The curves' samples: for each prompt, a full prefill's greedy answer (TOKENS tokens), and the default
+    strategy's cache teacher-forced on it, once per recompute budget the fidelity levels run at (see _flips)."""
     pool = list(texts) if texts is not None else engine.documents.texts()
     if len(pool) < MIN_DOCUMENTS:
         raise ValueError(f"calibration needs at least {MIN_DOCUMENTS} ingested documents, got {len(pool)}: "
                          "ingest more of the corpus first")
     laid_out = corpus_prompts(engine, pool, prompts or PROMPTS, per_prompt, seed, layout)
-    bar = tqdm(total=2 * len(laid_out), desc="calibrating", unit="prompt",
+    # Pass 2 runs once per recompute budget the levels run at (balanced's first: the engine's own), a curve each.
+    repair = engine.config.repair
+    budgets = list(dict.fromkeys([repair.budget] + sorted(dataclasses.replace(repair, fidelity=level).budget
+                                                          for level in fidelity.LEVELS)))
+    bar = tqdm(total=(1 + len(budgets)) * len(laid_out), desc="calibrating", unit="prompt",
                disable=not progress if progress is not None else None)
     with engine.lock:
         # Pass 1, per prompt: one full prefill gives both the drift maps' truth (its K/V) and the greedy answer.
@@ -184,24 +187,29 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
             bar.update(1)
         if sums is not None and sums.prompts:
             engine.set_drift(drift.solve(sums))
-        # Pass 2, with the maps: the default strategy's cache teacher-forced on each full answer.
-        # At the budget the engine's requests run at (a level's budget goes with the level, not with "fast"); a
-        # request that repairs more, under "strict", is judged by this curve too: a conservative one for it.
-        repair = engine.config.repair
-        unguarded = dataclasses.replace(repair, fidelity="fast", recompute_ratio=repair.budget)
-        margins, flipped = [], []
-        for prompt, answer in zip(laid_out, answers, strict=True):
-            if answer:
-                reused = engine.prefill(prompt, "cacheblend", max_new_tokens=TOKENS, write_back=False,
-                                        repair=unguarded)
-                steps = torch.cat([reused.logits[None], engine.continuation_logits(reused, answer[:-1])]) \
-                    if len(answer) > 1 else reused.logits[None]
-                for logits, token in zip(steps, answer, strict=True):
-                    margins.append(fidelity.margin(logits))
-                    flipped.append(int(logits.argmax()) != token)
-            bar.update(1)
+        # Pass 2, with the maps: the default strategy's cache, repaired at each budget, teacher-forced on each
+        # full answer.
+        curves = [fidelity.fit(*_flips(engine, laid_out, answers, budget, bar), documents=len(engine.documents),
+                               budget=budget) for budget in budgets]
         bar.close()
-        predictor = fidelity.fit(margins, flipped, documents=len(engine.documents))
+        predictor = curves[0].with_others(curves[1:])
         engine.set_predictor(predictor)
         engine.counters["calibrations"] += 1
     return predictor
+
+
+def _flips(engine, prompts: Sequence, answers: Sequence[list[int]], budget: float, bar) -> tuple[list, list]:
+    """At every step of every full answer, the cache repaired at `budget`'s margin and whether its top token
+    differs from the full prefill's there (the situation of a guarded request whose answer so far is full's)."""
+    unguarded = dataclasses.replace(engine.config.repair, fidelity="fast", recompute_ratio=budget)
+    margins, flipped = [], []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        if answer:
+            reused = engine.prefill(prompt, "cacheblend", max_new_tokens=TOKENS, write_back=False, repair=unguarded)
+            steps = torch.cat([reused.logits[None], engine.continuation_logits(reused, answer[:-1])]) \
+                if len(answer) > 1 else reused.logits[None]
+            for logits, token in zip(steps, answer, strict=True):
+                margins.append(fidelity.margin(logits))
+                flipped.append(int(logits.argmax()) != token)
+        bar.update(1)
+    return margins, flipped

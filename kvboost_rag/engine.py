@@ -68,6 +68,7 @@ class Prefill:
     target: float | None = None
     risk: float = 0.0
     fell_back: bool = False
+    curve: fidelity.Predictor | None = None  # the guard's flip curve, for this request's recompute budget
 
     @property
     def prompt_tokens(self) -> int:
@@ -350,7 +351,8 @@ class KVBoost:
                 self._write_back(p, cache)
         risk = 0.0 if guard is None or fell_back else guard.risk
         return Prefill(p, cache, logits, n if fell_back else done.recomputed_tokens, strategy, started, ttft_ms,
-                       None if guard is None else guard.target, risk, fell_back)
+                       None if guard is None else guard.target, risk, fell_back,
+                       None if guard is None else guard.predictor)
 
     def _guard(self, settings: RepairConfig, p: Plan) -> fidelity.Guard | None:
         """The fidelity guard of a request whose cache is not exact (content hits, or quantized KV); None when
@@ -359,7 +361,8 @@ class KVBoost:
         if not approximate:
             return None
         target = fidelity.target_of(settings.fidelity)
-        return fidelity.Guard(self.predictor or fidelity.DEFAULT_PREDICTOR, math.inf if target is None else target)
+        curve = (self.predictor or fidelity.DEFAULT_PREDICTOR).at(settings.budget)  # fitted at this request's budget
+        return fidelity.Guard(curve, math.inf if target is None else target)
 
     @torch.inference_mode()
     def _exact_cache(self, token_ids: torch.Tensor, capacity: int) -> tuple[KVBuffers, torch.Tensor]:
@@ -438,7 +441,7 @@ class KVBoost:
         # before one would pass the target the answer moves to an exact cache (one full prefill) for good.
         guard = None
         if pre.target is not None and not pre.fell_back:
-            guard = fidelity.Guard(self.predictor or fidelity.DEFAULT_PREDICTOR, pre.target)
+            guard = fidelity.Guard(pre.curve or fidelity.DEFAULT_PREDICTOR, pre.target)
             guard.survive = 1.0 - pre.risk
         exact_from, risk = (0 if pre.fell_back else None), pre.risk
         # The lock is taken per step (by the batcher), never across a yield: async callers resume us from

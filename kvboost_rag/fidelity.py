@@ -9,7 +9,11 @@ unsure between them. So the guard watches each token's margin under the reused c
 
 fitted per model and corpus (`fit`, on calibration prompts: the reused cache's margins against a full prefill's
 greedy tokens, teacher-forced; run by ingestion itself, see calibrate.py) and saved beside the store (its disk
-folder, its Redis tier). A request's risk is the chance its answer differs from a full prefill's so far,
+folder, its Redis tier). One curve per recompute budget the levels run at: a cache repaired less is wrong more
+often at the same margin, so a curve fitted at balanced's budget would make strict's (larger) one fall back far
+more than it needs to; a request is judged by the curve of its own budget (`Predictor.at`).
+
+A request's risk is the chance its answer differs from a full prefill's so far,
 1 - prod(1 - P(flip | m_t)) over the tokens served from the reused cache. Before a token would take the risk
 over the request's target, the engine computes the exact cache (a full prefill of the prompt and the tokens so
 far) and decodes from it from then on: the first token's check comes before it is sent, so a request that starts
@@ -24,14 +28,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import safetensors.torch
 import torch
 
 from .store.files import safetensors_metadata
 
-VERSION = 2
+VERSION = 3  # 3: one curve per recompute budget
 LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
 STRICT = 0.03
@@ -58,10 +62,22 @@ class Predictor:
     tokens: int = 0  # calibration tokens fitted on (0: the model's default curve)
     flips: int = 0  # of them, tokens a full prefill chose otherwise
     documents: int = 0  # the corpus's size when fitted (a corpus that doubles is fitted again)
+    budget: float = 0.0  # the recompute budget its prompts were repaired at (0: the default curve, any budget)
+    others: tuple[Predictor, ...] = ()  # the curves fitted at the other levels' budgets in the same pass
 
     def flip_chance(self, margin: float) -> float:
         z = self.intercept + self.slope * margin
         return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+    def at(self, budget: float) -> Predictor:
+        """The curve for a request repaired at `budget`: the one fitted at the largest budget not above it (a
+        cache repaired less deviates more, so a smaller budget's curve is the cautious one), else the smallest."""
+        curves = sorted((self, *self.others), key=lambda curve: curve.budget)
+        below = [curve for curve in curves if curve.budget <= budget + 1e-9]
+        return below[-1] if below else curves[0]
+
+    def with_others(self, others: Sequence[Predictor]) -> Predictor:
+        return replace(self, others=tuple(replace(curve, others=()) for curve in others))
 
 
 DEFAULT_PREDICTOR = Predictor(*DEFAULT)
@@ -87,8 +103,9 @@ class Guard:
         return True
 
 
-def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0) -> Predictor:
-    """Logistic regression of `flipped` on `margins` (Newton's method, a small ridge)."""
+def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, budget: float = 0.0) -> Predictor:
+    """Logistic regression of `flipped` on `margins` (Newton's method, a small ridge), for requests repaired at
+    `budget`."""
     if len(margins) < MIN_TOKENS:
         raise ValueError(f"a fidelity predictor needs at least {MIN_TOKENS} calibration tokens, got {len(margins)}")
     x = torch.tensor(list(margins), dtype=torch.float64)
@@ -104,16 +121,17 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0) -
         w = w - step
         if step.abs().max() < 1e-9:
             break
-    return Predictor(float(w[0]), float(w[1]), len(margins), int(y.sum()), documents)
+    return Predictor(float(w[0]), float(w[1]), len(margins), int(y.sum()), documents, budget)
 
 
 def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:
     """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what
-    calibrate.save keeps beside the engine's store (a file, a Redis value)."""
-    meta = {"fingerprint": fingerprint, "version": str(VERSION), "tokens": str(predictor.tokens),
-            "flips": str(predictor.flips), "documents": str(predictor.documents)}
-    curve = torch.tensor([predictor.intercept, predictor.slope], dtype=torch.float64)
-    return safetensors.torch.save({"curve": curve}, metadata=meta)
+    calibrate.save keeps beside the engine's store (a file, a Redis value). One row per curve, the main one
+    first: (budget, intercept, slope, tokens, flips)."""
+    meta = {"fingerprint": fingerprint, "version": str(VERSION), "documents": str(predictor.documents)}
+    curves = torch.tensor([[c.budget, c.intercept, c.slope, c.tokens, c.flips]
+                           for c in (predictor, *predictor.others)], dtype=torch.float64)
+    return safetensors.torch.save({"curves": curves}, metadata=meta)
 
 
 def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
@@ -121,12 +139,13 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
     else None: a foreign, old or damaged one is never used."""
     try:
         meta = safetensors_metadata(data)
-        curve = safetensors.torch.load(bytes(data))["curve"]
-        counts = {k: int(meta.get(k, 0)) for k in ("tokens", "flips", "documents")}
+        curves = safetensors.torch.load(bytes(data))["curves"]
+        documents = int(meta.get("documents", 0))
     except Exception:  # noqa: BLE001 - safetensors raises its own error type for every kind of damage
         return None
-    if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION) or curve.shape != (2,)
-            or not torch.isfinite(curve).all()):
+    if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION) or curves.ndim != 2
+            or curves.shape[0] < 1 or curves.shape[1] != 5 or not torch.isfinite(curves).all()):
         return None
-    return Predictor(float(curve[0]), float(curve[1]), **counts)
-
+    main, *others = (Predictor(float(row[1]), float(row[2]), int(row[3]), int(row[4]), documents, float(row[0]))
+                     for row in curves)
+    return main.with_others(others)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import matplotlib
 
+from kvboost_rag.config import LEVEL_BUDGETS
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -62,14 +64,19 @@ def calibration_bins(report: dict, labels) -> list[dict]:
     return bins
 
 
-def floor_row(report: dict) -> dict | None:
-    return next((row for label, row in report["strategies"].items() if label.startswith("full ")), None)
+def floor_row(report: dict, agreement: float | None = None) -> dict | None:
+    """The noise floor: the report's full prefill in the other dtype, else an agreement measured elsewhere (on
+    a CPU without bf16 instructions the bf16 run is emulated and slow, so the floor is taken from another run)."""
+    row = next((row for label, row in report["strategies"].items() if label.startswith("full ")), None)
+    if row is None and agreement is not None:
+        row = {"agreement": agreement, "accuracy": None, "first_token_kl": None}
+    return row
 
 
-def plot(report: dict, fixed: dict, guarded: dict, bins: list[dict], path: Path) -> None:
+def plot(report: dict, fixed: dict, guarded: dict, bins: list[dict], path: Path, floor: dict | None) -> None:
     """Three panels: agree@16 and accuracy against speed-up for both families; the estimate's calibration."""
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-    floor, full = floor_row(report), report["strategies"]["full"]
+    full = report["strategies"]["full"]
     for ax, (key, title) in zip(axes, [("agreement", "agree@16: same 16 tokens as full"),
                                        ("accuracy", "accuracy")], strict=False):
         for name, rows, marker in (("fixed recompute_ratio (no guard)", fixed, "o"),
@@ -78,8 +85,8 @@ def plot(report: dict, fixed: dict, guarded: dict, bins: list[dict], path: Path)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=name)
             for x, y, label in points:
                 s = settings(label)
-                text = s.get("recompute_ratio", "0.15") if s.get("fidelity") == "fast" else s.get("fidelity",
-                                                                                                   "balanced")
+                fast = s.get("fidelity") == "fast"
+                text = s.get("recompute_ratio", str(LEVEL_BUDGETS["fast"])) if fast else s.get("fidelity", "balanced")
                 ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         if key == "agreement" and floor is not None:
             ax.axhline(floor["agreement"], ls="--", lw=0.8, color="gray", label="noise floor (full, other dtype)")
@@ -110,7 +117,7 @@ def plot(report: dict, fixed: dict, guarded: dict, bins: list[dict], path: Path)
     plt.close(fig)
 
 
-def markdown(report: dict, fixed: dict, guarded: dict, bins: list[dict]) -> str:
+def markdown(report: dict, fixed: dict, guarded: dict, bins: list[dict], floor: dict | None) -> str:
     lines = [f"{report['model']}, {report['dtype']}, {report['items']} items, max_new_tokens "
              f"{report['max_new_tokens']}; median speed-up, mean quality; {report['seconds']} s", "",
              "| family | setting | speed-up | agree@16 | accuracy | KL first | P(differs) | fell back | switched |",
@@ -125,10 +132,11 @@ def markdown(report: dict, fixed: dict, guarded: dict, bins: list[dict]) -> str:
         if r:
             lines.append(f"| - | {label} | {r['speedup']:.2f}x | {r['agreement']:.3f} | {r.get('accuracy') or 0:.3f} "
                          f"| {r['first_token_kl']:.4f} | - | - | - |")
-    floor = floor_row(report)
     if floor:
-        lines.append(f"| floor | full, other dtype | - | {floor['agreement']:.3f} | {floor.get('accuracy') or 0:.3f} "
-                     f"| {floor['first_token_kl']:.4f} | - | - | - |")
+        kl, accuracy = floor["first_token_kl"], floor.get("accuracy")
+        lines.append(f"| floor | full, other dtype | - | {floor['agreement']:.3f} | "
+                     f"{'-' if accuracy is None else f'{accuracy:.3f}'} | {'-' if kl is None else f'{kl:.4f}'} "
+                     "| - | - | - |")
     within = sum(b["requests"] for b in bins if b["measured"] and 0.5 <= b["predicted"] / b["measured"] <= 2)
     lines += ["", "Calibration of the unguarded requests' estimate (bins of predicted chance):", "",
               "| predicted in | requests | mean predicted | measured differing | ratio |", "|---|---|---|---|---|"]
@@ -144,6 +152,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report", type=Path, help="a kvboost-rag bench --json report (see the docstring)")
     parser.add_argument("--out", type=Path, default=Path("out/guard"))
+    parser.add_argument("--floor", type=float, help="the noise floor's agreement, where the report has no run of "
+                        "full in the other dtype (--noise-floor none)")
     args = parser.parse_args()
     report = json.loads(args.report.read_text())
     fixed, guarded = families(report)
@@ -151,8 +161,9 @@ def main() -> None:
         raise SystemExit("the report needs cacheblend rows with fidelity=fast and guarded ones: see the docstring")
     bins = calibration_bins(report, fixed)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(report, fixed, guarded, bins, args.out / "guard.png")
-    text = markdown(report, fixed, guarded, bins)
+    floor = floor_row(report, args.floor)
+    plot(report, fixed, guarded, bins, args.out / "guard.png", floor)
+    text = markdown(report, fixed, guarded, bins, floor)
     (args.out / "curve.md").write_text(text)
     print(text)
 

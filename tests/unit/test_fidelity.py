@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,6 +69,24 @@ def test_a_saved_predictor_is_refused_for_another_fingerprint_version_or_damage(
     assert fidelity.from_bytes(path.read_bytes(), "fp-a") is None
 
 
+def test_a_request_is_judged_by_the_curve_fitted_at_its_budget(tmp_path):
+    low = fidelity.fit(*synthetic_flips(intercept=1.0), documents=40, budget=0.07)
+    high = fidelity.fit(*synthetic_flips(intercept=-1.0, seed=1), documents=40, budget=0.15)
+    predictor = low.with_others([high])
+    assert predictor.at(0.07) == low.with_others([high]) and predictor.at(0.15) == high
+    assert predictor.at(0.10) is predictor  # between the two: the smaller budget's, the cautious one
+    assert predictor.at(0.5) == high and predictor.at(0.01) is predictor  # below them all: the smallest's
+    assert fidelity.DEFAULT_PREDICTOR.at(0.15) is fidelity.DEFAULT_PREDICTOR
+    again = fidelity.from_bytes(fidelity.to_bytes(predictor, "fp-a"), "fp-a")
+    assert again == predictor and again.at(0.15) == high
+    # The one-curve format of an older kvboost-rag is refused (and refitted), never read as this one.
+    import safetensors.torch
+
+    old = safetensors.torch.save({"curve": torch.tensor([0.0, -2.0], dtype=torch.float64)},
+                                 metadata={"fingerprint": "fp-a", "version": "2"})
+    assert fidelity.from_bytes(old, "fp-a") is None
+
+
 def test_fidelity_settings_are_checked():
     assert RepairConfig().fidelity == "balanced"
     assert RepairConfig(fidelity=0.01).fidelity == 0.01
@@ -106,6 +125,23 @@ def test_ingestion_calibrates_by_itself_and_the_next_engine_fits_nothing_new(cal
     assert other.predictor is None
     other.ingest(corpus())
     assert other.counters["calibrations"] == 1
+
+
+def test_calibration_fits_a_curve_per_level_budget_and_strict_requests_use_theirs(calibrated):
+    predictor = calibrated.predictor
+    budgets = {level: RepairConfig(fidelity=level).budget for level in fidelity.LEVELS}
+    assert predictor.budget == budgets["balanced"]  # the engine's own level first
+    assert sorted(c.budget for c in (predictor, *predictor.others)) == sorted(set(budgets.values()))
+    assert all(c.tokens >= fidelity.MIN_TOKENS for c in (predictor, *predictor.others))
+    prompt = prompt_of(corpus()[::-1])
+    for level in ("balanced", "strict"):
+        pre = calibrated.prefill(prompt, repair=RepairConfig(fidelity=level), write_back=False)
+        assert pre.curve.budget == budgets[level]
+    # An explicit recompute_ratio runs every level at it: one curve, fitted there.
+    engine = calibrated
+    engine.config = replace(engine.config, repair=RepairConfig(recompute_ratio=0.3))
+    refit = engine.calibrate()
+    assert refit.budget == 0.3 and refit.others == ()
 
 
 def test_a_small_corpus_is_not_calibrated_and_says_so(make_tiny_engine):
