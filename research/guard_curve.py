@@ -11,11 +11,15 @@ default ratio). Writes:
 - `curve.md`: the table of both families and the calibration bins.
 
     .venv/bin/kvboost-rag bench --data research/data/multidoc_other.jsonl --limit 24 --dtype float32 \
-      --max-new-tokens 16 --json out/guard/curve.json --strategies "full,naive,\
-    cacheblend:fidelity=fast,cacheblend:fidelity=fast+recompute_ratio=0.3,\
-    cacheblend:fidelity=fast+recompute_ratio=0.5,cacheblend:fidelity=fast+recompute_ratio=0.7,\
-    cacheblend:fidelity=0.5,cacheblend:fidelity=0.3,cacheblend,cacheblend:fidelity=strict"
-    .venv/bin/python research/guard_curve.py out/guard/curve.json --out docs/guard
+      --max-new-tokens 16 --noise-floor none --json out/guard/curve.json --strategies "full,naive,\
+    cacheblend:fidelity=fast,cacheblend:fidelity=fast+recompute_ratio=0.15,\
+    cacheblend:fidelity=fast+recompute_ratio=0.3,cacheblend:fidelity=fast+recompute_ratio=0.5,\
+    cacheblend:fidelity=fast+recompute_ratio=0.7,cacheblend:fidelity=0.5,cacheblend:fidelity=0.3,cacheblend,\
+    cacheblend:fidelity=strict"
+    .venv/bin/python research/guard_curve.py out/guard/curve.json --floor 0.792 --out docs/guard
+
+`--floor` is the noise floor's agreement from a separate run (`--noise-floor bfloat16 --strategies full`), for a
+report without one; a report with a run of full in the other dtype draws its own.
 """
 
 from __future__ import annotations
