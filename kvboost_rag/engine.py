@@ -441,7 +441,7 @@ class KVBoost:
         # before one would pass the target the answer moves to an exact cache (one full prefill) for good.
         guard = None
         if pre.target is not None and not pre.fell_back:
-            guard = fidelity.Guard(pre.curve or fidelity.DEFAULT_PREDICTOR, pre.target)
+            guard = fidelity.Guard(pre.curve, pre.target)  # prefill sets the target and its guard's curve together
             guard.survive = 1.0 - pre.risk
         exact_from, risk = (0 if pre.fell_back else None), pre.risk
         # The lock is taken per step (by the batcher), never across a yield: async callers resume us from

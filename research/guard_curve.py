@@ -69,8 +69,8 @@ def calibration_bins(report: dict, labels) -> list[dict]:
 
 
 def floor_row(report: dict, agreement: float | None = None) -> dict | None:
-    """The noise floor: the report's full prefill in the other dtype, else an agreement measured elsewhere (on
-    a CPU without bf16 instructions the bf16 run is emulated and slow, so the floor is taken from another run)."""
+    """The noise floor: the report's full prefill in the other dtype, else an agreement measured in a run of its
+    own (`--floor`: a bench run with `--noise-floor none`, the floor measured apart)."""
     row = next((row for label, row in report["strategies"].items() if label.startswith("full ")), None)
     if row is None and agreement is not None:
         row = {"agreement": agreement, "accuracy": None, "first_token_kl": None}

@@ -69,7 +69,7 @@ def test_a_saved_predictor_is_refused_for_another_fingerprint_version_or_damage(
     assert fidelity.from_bytes(path.read_bytes(), "fp-a") is None
 
 
-def test_a_request_is_judged_by_the_curve_fitted_at_its_budget(tmp_path):
+def test_a_request_is_judged_by_the_curve_fitted_at_its_budget():
     low = fidelity.fit(*synthetic_flips(intercept=1.0), documents=40, budget=0.07)
     high = fidelity.fit(*synthetic_flips(intercept=-1.0, seed=1), documents=40, budget=0.15)
     predictor = low.with_others([high])
@@ -138,9 +138,8 @@ def test_calibration_fits_a_curve_per_level_budget_and_strict_requests_use_their
         pre = calibrated.prefill(prompt, repair=RepairConfig(fidelity=level), write_back=False)
         assert pre.curve.budget == budgets[level]
     # An explicit recompute_ratio runs every level at it: one curve, fitted there.
-    engine = calibrated
-    engine.config = replace(engine.config, repair=RepairConfig(recompute_ratio=0.3))
-    refit = engine.calibrate()
+    calibrated.config = replace(calibrated.config, repair=RepairConfig(recompute_ratio=0.3))
+    refit = calibrated.calibrate()
     assert refit.budget == 0.3 and refit.others == ()
 
 
