@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from . import architectures as arch
+from . import packing
 from .architectures import COMPOSABLE_ROPE, SUPPORTED_MODEL_TYPES, UnsupportedModelError
 from .attention import CausalRows
 from .kvcache import KVBuffers, RowsCache
@@ -58,6 +59,8 @@ class ModelAdapter:
         self.attention = arch.attention_kernel(self.model)
         self.model.set_attn_implementation(self.attention)
         self.model.eval()
+        # bf16 on the CPU: every linear weight packed once for oneDNN, not on every call (packing.py).
+        self.packed_linears = packing.pack_linears(self.model)
         self.config = config
         self.inner = self.model.model
         self.layers = list(self.inner.layers)

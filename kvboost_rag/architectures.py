@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import CausalRows, causal_attention
+from .attention import CausalRows, causal_attention, one_query_per_row
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
 # RoPE variants whose rotation composes, R(a + b) = R(b) R(a), so stored keys can be moved to a new place.
@@ -127,9 +127,15 @@ def _sdpa_gqa_masked(module, query, key, value, attention_mask, dropout=0.0, sca
     fused kernels refuse GQA with a mask, and on the CPU that copy of the whole cache, every layer, cost more than
     the attention of a reuse path's few queries. query: [B, H, Q, D]; key, value: [B, H_kv, K, D]; the same result
     bit for bit. A causal mask described (attention.CausalRows, made by the adapter on the CPU) runs in the
-    pieces attention.py splits it into."""
+    pieces attention.py splits it into. A 16-bit decode step (one query per row) runs as fp32 matmuls instead: the
+    flash kernel's setup costs several times its arithmetic there (attention.one_query_per_row)."""
     if isinstance(attention_mask, CausalRows):
         return causal_attention(query, key, value, attention_mask, scaling), None
+    if (query.shape[2] == 1 and query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu"
+            and not dropout and kwargs.get("position_bias") is None
+            and (attention_mask is None or attention_mask.is_floating_point())):  # (a boolean one: the model's own)
+        mask = None if attention_mask is None else attention_mask[..., :key.shape[2]]
+        return one_query_per_row(query, key, value, mask, scaling), None
     if attention_mask is None or query.device.type != "cpu" or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -142,6 +142,29 @@ def _scattered(query, key, value, positions: torch.Tensor, scale: float | None) 
     return out
 
 
+def one_query_per_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float | None) -> torch.Tensor:
+    """A decode step's attention as fp32 matmuls and one softmax, without the flash kernel.
+
+    In bf16 the CPU flash kernel sets up blocks for a run of queries, which for one query costs several times its
+    arithmetic: over 1k keys 0.69 ms against 0.21 here, over 8k 6.0 against 2.6 (docs/method.md, "A decode step").
+    From ~30 queries on the two cost the same. fp32 throughout, as the kernel accumulates: the same error from an
+    fp64 reference (tests/unit/test_attention.py).
+
+    query: [B, H, 1, D]; key, value: [B, H_kv, K, D]; mask: additive, broadcast to [B, 1, 1, K], or None
+    -> [B, 1, H, D], as the attention modules take their output back."""
+    b, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    # The g query heads that share a K/V head are g rows against it (repeat_kv's pairing: head h reads h // g).
+    folded = query.reshape(b, kv_heads, heads // kv_heads, dim).float()
+    scores = torch.matmul(folded, key.float().transpose(-1, -2))  # [B, H_kv, g, K]
+    scores *= dim ** -0.5 if scale is None else scale
+    if mask is not None:
+        scores += mask.reshape(mask.shape[0], 1, 1, -1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), value.float())  # [B, H_kv, g, D]
+    return out.to(query.dtype).reshape(b, 1, heads, dim)
+
+
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: CausalRows,
                      scale: float | None) -> torch.Tensor:
     """query: [B, H, Q, D] at mask.positions; key, value: [B, H_kv, K, D] -> [B, Q, H, D], as the attention

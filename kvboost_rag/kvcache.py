@@ -86,6 +86,12 @@ class RowsCache:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [B, H_kv, 1, D] -> keys, values: [B, H_kv, K_max, D]."""
         b, heads, _, d = key_states.shape
+        if b == 1:  # a lone stream: its own buffers are the keys to attend to, nothing to pad (no copy per layer)
+            cache, position = self.caches[0], self.positions[0]
+            own_keys, own_values = cache.keys[layer_idx], cache.values[layer_idx]  # [1, H_kv, capacity, D]
+            own_keys[:, :, position] = key_states[:, :, 0]
+            own_values[:, :, position] = value_states[:, :, 0]
+            return own_keys[:, :, :position + 1], own_values[:, :, :position + 1]
         # Zeros past each row's own position, not empty memory: the buffers' unwritten tail may hold NaN, and a
         # masked NaN still poisons the softmax (NaN + min is NaN). The mask gives the zeros no weight.
         keys = key_states.new_zeros(b, heads, self.attend_len, d)

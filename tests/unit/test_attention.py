@@ -79,3 +79,27 @@ def test_the_adapter_describes_cpu_masks_and_keeps_dense_ones_where_a_window_cut
     (cut,) = sliding.causal_mask(torch.arange(5, 20), 20, torch.float32).by_kind.values()
     (within,) = sliding.causal_mask(torch.arange(2, 6), 6, torch.float32).by_kind.values()
     assert isinstance(cut, torch.Tensor) and cut.shape == (1, 1, 15, 20) and isinstance(within, CausalRows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_query_per_row_equals_the_kernel(dtype, masked):
+    """A decode step's attention without the flash kernel: the same attention, B rows each at its own length."""
+    from kvboost_rag.attention import one_query_per_row
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 6, 1, 16), torch.randn(3, 2, 90, 16), torch.randn(3, 2, 90, 16)
+    mask = None
+    if masked:  # rows of different lengths, padded (as a batched decode step pads them)
+        lengths = torch.tensor([90, 41, 7])
+        mask = torch.zeros(3, 1, 1, 90).masked_fill_(torch.arange(90) >= lengths[:, None, None, None],
+                                                     torch.finfo(torch.float32).min)
+    want = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(1, 2)
+    got = one_query_per_row(query.to(dtype), key.to(dtype), value.to(dtype),
+                            None if mask is None else mask.to(dtype), 0.3)
+    assert got.shape == want.shape == (3, 1, 6, 16) and got.dtype == dtype
+    assert (got.float() - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    # and the test can fail: a wrong pairing of query heads with K/V heads is far off
+    swapped = one_query_per_row(query.flip(1), key, value, mask, 0.3).flip(2)
+    assert (swapped - want).abs().max() > 0.1
+

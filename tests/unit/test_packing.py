@@ -1,0 +1,96 @@
+"""Linear weights packed once for oneDNN (packing.py): the same numbers bit for bit, nothing else changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvboost_rag import EngineConfig, KVBoost, RepairConfig
+from kvboost_rag.adapter import ModelAdapter
+from kvboost_rag.models import LoadedModel
+from kvboost_rag.packing import PackedLinear, can_pack, pack_linears
+
+needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
+                                reason="this CPU's oneDNN has no bf16 kernels to pack for")
+
+
+def _tiny(dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny random Llama, built here (tests.conftest is not importable beside the integrations' conftest)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    return LlamaForCausalLM(config).eval().to(dtype)
+
+
+def _linears(model) -> dict[str, type]:
+    return {name: type(module) for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, PackedLinear))}
+
+
+@needs_bf16
+def test_a_packed_bf16_model_computes_the_same_logits_bit_for_bit():
+    plain, packed = _tiny(torch.bfloat16), _tiny(torch.bfloat16)
+    state = {name: tensor.clone() for name, tensor in packed.state_dict().items()}
+    swapped = pack_linears(packed)
+    # Every linear (7 per layer and the head) is swapped; the state dict (names and values) is unchanged.
+    assert swapped == 7 * packed.config.num_hidden_layers + 1
+    assert set(_linears(packed).values()) == {PackedLinear}
+    assert packed.state_dict().keys() == state.keys()
+    assert all(torch.equal(packed.state_dict()[name], tensor) for name, tensor in state.items())
+    ids = torch.randint(0, packed.config.vocab_size, (1, 37))
+    with torch.inference_mode():
+        for rows in (ids, ids[:, :1], ids[:, :5]):  # a prefill, a decode step, a few tokens
+            assert torch.equal(packed(rows).logits, plain(rows).logits)
+
+
+@needs_bf16
+def test_tied_weights_stay_tied_and_are_packed_once():
+    model = _tiny(torch.bfloat16)
+    model.lm_head.weight = model.model.embed_tokens.weight  # as SmolLM2 ties them
+    pack_linears(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0, 0] += 1  # one Parameter: the head sees the change (its reads of .weight)
+    assert model.lm_head.weight[0, 0] == model.model.embed_tokens.weight[0, 0]
+
+
+def test_float32_and_oversized_models_are_left_as_they_are(monkeypatch):
+    model = _tiny(torch.float32)
+    assert pack_linears(model) == 0 and set(_linears(model).values()) == {torch.nn.Linear}
+    monkeypatch.setattr("kvboost_rag.packing.MAX_PACKED_BYTES", 1024)
+    small = _tiny(torch.bfloat16)
+    assert pack_linears(small) == 0 and set(_linears(small).values()) == {torch.nn.Linear}
+
+
+def test_a_build_whose_ops_fail_the_probe_packs_nothing(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken, raising=False)
+    model = _tiny(torch.bfloat16)
+    assert not can_pack(torch.bfloat16, torch.device("cpu"))
+    assert pack_linears(model) == 0 and set(_linears(model).values()) == {torch.nn.Linear}
+
+
+@needs_bf16
+def test_a_bf16_engine_packs_its_model_and_keeps_the_exact_truths(bundled_tokenizer, docs, rag_prompt):
+    loaded = LoadedModel(_tiny(torch.bfloat16), bundled_tokenizer, "tiny-random-llama", "seed0")
+    engine = KVBoost(loaded, EngineConfig(dtype="bfloat16", calibrate=False, repair=RepairConfig(fidelity="fast")))
+    assert engine.adapter.packed_linears > 0
+    assert isinstance(engine.adapter.model.model.layers[0].mlp.down_proj, PackedLinear)
+    engine.ingest(docs)
+    prompt = rag_prompt(docs, "Who founded it?")
+    full = engine.prefill(prompt, "full", write_back=False)
+    engine.prefill(prompt, "prefix")  # computes the prompt's chunks and writes them back
+    # The prompt computed once is an exact prefix hit the second time: a full prefill's logits, in the same dtype.
+    again = engine.prefill(prompt, "prefix", write_back=False)
+    assert again.exact_tokens > 0
+    assert (again.logits - full.logits).abs().max() < 0.05
+    reference = engine.adapter.reference_logits(full.plan.token_ids)[-1]
+    assert torch.equal(full.logits, reference)
+
+
+def test_the_adapter_reports_what_it_packed():
+    adapter = ModelAdapter(_tiny(torch.float32))
+    assert adapter.packed_linears == 0
