@@ -38,10 +38,6 @@ from .protocol import Prefilled, Request, Strategy, register
 class BlendResult:
     hidden: torch.Tensor  # [1, 1, H], the last token after the last layer
     layer_positions: list[torch.Tensor]  # positions given fresh K/V at each layer after the check layer
-    # How far the reused K/V were from what the repair computed for them: per repaired layer, the recency-weighted
-    # squared deviation of the reused tokens in the set over their weighted squared norm, [layers - check - 1];
-    # empty when nothing reused was repaired.
-    deviations: tuple[float, ...] = ()
 
     @property
     def recomputed_tokens(self) -> int:
@@ -119,7 +115,6 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
         hidden = adapter.run_layers(hidden, positions, cache, range(check), n, mask=mask)
     rows = torch.arange(positions.numel())  # into `positions`: the tokens whose input to `layer` we hold
     layer_positions: list[torch.Tensor] = []
-    deviations: list[float] = []
     for layer in range(check, num_layers):
         here = positions[rows]
         if layer > check:
@@ -133,9 +128,6 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
             # On the host: the selection below indexes host positions (one copy per layer on a GPU).
             score = kv_deviation((keys, values), stale).cpu() * weight[rows]
             is_reused = torch.isin(here, always, invert=True)
-            norm = kv_deviation(stale, (torch.zeros_like(stale[0][..., :1]), torch.zeros_like(stale[1][..., :1])))
-            norm = (norm.cpu() * weight[rows])[is_reused].sum()
-            deviations.append(float(score[is_reused].sum() / norm) if norm > 0 else 0.0)
             count, available = math.ceil(fractions[layer - check] * num_reused), int(is_reused.sum())
             if multiple > 0 and count < available:
                 # The set (uncached included, the head left out) to the nearest multiple; a layer
@@ -154,7 +146,7 @@ def cacheblend_prefill(adapter: ModelAdapter, cache: KVBuffers, plan: Plan, conf
         # keep the fresh K/V just written here and their cached K/V in every deeper layer.
         rows, hidden = rows[keep], hidden[:, keep]
         hidden = adapter.run_layers(hidden, positions[rows], cache, range(layer, layer + 1), n, mask=mask.rows(rows))
-    return BlendResult(hidden[:, -1:], layer_positions or [positions], tuple(deviations))
+    return BlendResult(hidden[:, -1:], layer_positions or [positions])
 
 
 def blend(request: Request) -> Prefilled:
