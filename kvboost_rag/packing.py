@@ -37,6 +37,9 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features]."""
+        if self.weight.device.type != "cpu" or self.weight.dtype != self.packed.dtype:
+            # The model was moved or cast since it was packed (.to("cuda"), .float()): the weight went with it.
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

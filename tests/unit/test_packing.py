@@ -55,6 +55,16 @@ def test_tied_weights_stay_tied_and_are_packed_once():
     assert model.lm_head.weight[0, 0] == model.model.embed_tokens.weight[0, 0]
 
 
+@needs_bf16
+def test_a_packed_model_moved_or_cast_later_computes_with_its_weights():
+    packed, plain = _tiny(torch.bfloat16), _tiny(torch.bfloat16)
+    pack_linears(packed)
+    packed.float()  # the Parameters are cast; the packed bf16 copies are stale from here on
+    ids = torch.randint(0, packed.config.vocab_size, (1, 9))
+    with torch.inference_mode():
+        assert torch.equal(packed(ids).logits, plain.float()(ids).logits)
+
+
 def test_float32_and_oversized_models_are_left_as_they_are(monkeypatch):
     model = _tiny(torch.float32)
     assert pack_linears(model) == 0 and set(_linears(model).values()) == {torch.nn.Linear}
