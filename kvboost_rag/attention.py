@@ -147,7 +147,8 @@ def one_query_per_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """A decode step's attention as fp32 matmuls and one softmax, without the flash kernel.
 
     In bf16 the CPU flash kernel sets up blocks for a run of queries, which for one query costs several times its
-    arithmetic: over 1k keys 0.69 ms against 0.21 here, over 8k 6.0 against 2.6 (docs/method.md, "A decode step").
+    arithmetic: over 1k keys 0.69 ms against 0.21 here, over 8k 6.0 against 2.6 (docs/method.md, "Packed weights
+    and a decode step's attention").
     From ~30 queries on the two cost the same. fp32 throughout, as the kernel accumulates: the same error from an
     fp64 reference (tests/unit/test_attention.py).
 

@@ -3,9 +3,10 @@
 On the CPU, `F.linear` in bf16 hands each weight to oneDNN, which first copies it into the blocked layout its
 kernel reads, on every call: the weights cross memory three times instead of once. A full prefill (a thousand rows
 per matmul) hardly notices; what reuse computes does (a question's few dozen tokens, a repair's shrinking sets,
-one token per decode step): the bundled model's 210 linears read 210 MB of bf16 weights per forward. Packing each
-weight once, when the engine takes the model, and calling oneDNN's linear on the packed copy gives the same numbers
-bit for bit (`tests/unit/test_packing.py`) at a lower cost; the figures are in docs/method.md ("Packed weights").
+one token per decode step): the bundled model's 210 decoder linears read 212 MB of bf16 weights per forward.
+Packing each weight once, when the engine takes the model, and calling oneDNN's linear on the packed copy gives the
+same numbers bit for bit (`tests/unit/test_packing.py`) at a lower cost; the figures are in docs/method.md ("Packed
+weights and a decode step's attention").
 
 torch's own ops for this (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`) are what its compiler
 emits for frozen CPU models; we call them directly rather than compile the model (minutes on two cores, and a
@@ -72,9 +73,8 @@ def pack_linears(model: torch.nn.Module) -> int:
         return 0
     weight = linears[0][2].weight
     size = sum(child.weight.numel() * child.weight.element_size() for _, _, child in linears)
-    if size > MAX_PACKED_BYTES or not can_pack(weight.dtype, weight.device):
-        return 0
-    if any(child.weight.dtype != weight.dtype or child.weight.device != weight.device for _, _, child in linears):
+    mixed = any(child.weight.dtype != weight.dtype or child.weight.device != weight.device for _, _, child in linears)
+    if mixed or size > MAX_PACKED_BYTES or not can_pack(weight.dtype, weight.device):  # the probe last: it computes
         return 0
     packed: dict[int, torch.Tensor] = {}  # one packed copy per weight, however many modules share it
     with torch.no_grad():

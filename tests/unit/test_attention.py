@@ -102,4 +102,3 @@ def test_one_query_per_row_equals_the_kernel(dtype, masked):
     # and the test can fail: a wrong pairing of query heads with K/V heads is far off
     swapped = one_query_per_row(query.flip(1), key, value, mask, 0.3).flip(2)
     assert (swapped - want).abs().max() > 0.1
-
