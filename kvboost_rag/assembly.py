@@ -99,7 +99,7 @@ def tokenize_prompt(prompt: str, index: DocumentIndex, tokenizer, max_chunk_toke
     docs: list[tuple[int, int, Document]] = []  # token [start, end) of each document used
     segments: list[str | Document] = []
     cursor = 0
-    for span in index.find(prompt):
+    for span in index.find(prompt, starts=token_at_start):  # a document is used only from a token's start
         first, after = token_at_start.get(span.start), token_after_end.get(span.end)
         if first is None or after is None or ids[first:after] != span.document.token_ids:
             continue
@@ -225,7 +225,8 @@ def assemble(plan: Plan, adapter: ModelAdapter, capacity: int, drift: DriftMaps 
             place(adapter, cache, chunk.entry, chunk.start, drift, reused)
             reused += 1
         else:  # stored in host memory: moved to the model's device (a no-op on the CPU), then rotated there
-            keys = chunk.entry.keys.to(adapter.device, non_blocking=True)  # [L, H_kv, S, D]
-            keys = adapter.rotate_keys(keys, chunk.start - chunk.entry.start)
-            cache.write(chunk.start, keys, chunk.entry.values.to(adapter.device, non_blocking=True))
+            keys, values = cache.span(chunk.start, chunk.end)  # views to write into: [L, H_kv, S, D]
+            adapter.rotate_keys(chunk.entry.keys.to(adapter.device, non_blocking=True), chunk.start - chunk.entry.start,
+                                out=keys)
+            values.copy_(chunk.entry.values.to(adapter.device, non_blocking=True))
     return cache

@@ -55,6 +55,19 @@ class CausalRows:
         short = torch.tensor([row for a, e in bounds if e - a < MIN_RUN for row in range(a, e)], dtype=torch.long)
         return long, short
 
+    @cached_property
+    def short_rows(self) -> CausalRows:
+        """The scattered rows of `pieces` as a mask of their own (its dense form then kept across layers)."""
+        return self.rows(self.pieces[1])
+
+    def seen_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`dense` over the keys up to the last query's position, [1, 1, Q, last + 1]: built once for all the
+        layers that take these rows (at 1k keys, building it cost as much as a fifth of the attention)."""
+        masks = self.__dict__.setdefault("_seen_masks", {})  # cached_property's way: frozen, not immutable
+        if (dtype, device) not in masks:
+            masks[dtype, device] = CausalRows(self.positions, int(self.positions[-1]) + 1).dense(dtype, device)
+        return masks[dtype, device]
+
     def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The same mask as an additive [1, 1, Q, K] tensor."""
         visible = torch.arange(self.attend_len, device=device)[None] <= self.positions.to(device)[:, None]
@@ -117,16 +130,17 @@ def _merge(query, key, value, start: int, own: torch.Tensor, own_lse: torch.Tens
     return torch.lerp(own, before.reshape(b, heads, rows, dim), share[..., None].to(own.dtype))
 
 
-def _scattered(query, key, value, positions: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Queries [B, H, R, D] at scattered `positions` [R] (ascending, host), each over keys 0 .. its own position:
-    [B, H, R, D]."""
+def _scattered(query, key, value, mask: CausalRows, scale: float | None) -> torch.Tensor:
+    """Queries [B, H, R, D] at scattered `mask.positions` [R] (ascending, host), each over keys 0 .. its own
+    position: [B, H, R, D]."""
+    positions = mask.positions
     b, heads, rows, dim = query.shape
     kv_heads, gqa = key.shape[1], heads != key.shape[1]
     pieces = min(max(rows // GROUP_ROWS, 1), MAX_GROUPS)
     if pieces == 1:
         seen = int(positions[-1]) + 1
         return F.scaled_dot_product_attention(query, key[:, :, :seen], value[:, :, :seen], scale=scale, enable_gqa=gqa,
-                                              attn_mask=CausalRows(positions, seen).dense(query.dtype, query.device))
+                                              attn_mask=mask.seen_mask(query.dtype, query.device))
     out = query.new_empty(b, heads, rows, dim)
     bounds = [round(i * rows / pieces) for i in range(pieces + 1)]
     for r0, r1 in zip(bounds, bounds[1:], strict=False):
@@ -173,12 +187,12 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     long, short = mask.pieces
     b, heads, q, dim = query.shape
     if not long:
-        return _scattered(query, key, value, mask.positions, scale).transpose(1, 2).contiguous()
+        return _scattered(query, key, value, mask, scale).transpose(1, 2).contiguous()
     out = query.new_empty(b, q, heads, dim)
     for a, e, start in long:
         keys_seen = start + e - a
         out[:, a:e] = _run(query[:, :, a:e], key[:, :, :keys_seen], value[:, :, :keys_seen], start,
                            scale).transpose(1, 2)
     if short.numel():
-        out[:, short] = _scattered(query[:, :, short], key, value, mask.positions[short], scale).transpose(1, 2)
+        out[:, short] = _scattered(query[:, :, short], key, value, mask.short_rows, scale).transpose(1, 2)
     return out

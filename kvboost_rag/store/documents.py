@@ -26,6 +26,7 @@ import os
 import stat
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,15 +159,18 @@ class DocumentIndex:
                           f"where intact); `kvboost-rag store prune {path.parent}` drops the bad lines.",
                           StoreIntegrityWarning, stacklevel=3)
 
-    def find(self, prompt: str) -> list[Span]:
-        """Non-overlapping spans of ingested documents in `prompt`, left to right, longest first. Shared
+    def find(self, prompt: str, starts: Iterable[int] | None = None) -> list[Span]:
+        """Non-overlapping spans of ingested documents in `prompt`, left to right, longest first, starting at one of
+        `starts` (character offsets; the prompt's token starts, where a document can be used) or anywhere. Shared
         through Redis, the documents other processes added since the last lookup are read first (one round trip
         when there are none)."""
         if self._shared is not None:
             self._merge(self._shared.pull())
         candidates: list[Span] = []
         anchors = self._by_anchor
-        for i in range(len(prompt) - ANCHOR + 1):
+        allowed = None if starts is None else set(starts)
+        last = len(prompt) - ANCHOR
+        for i in range(last + 1) if allowed is None else sorted(i for i in allowed if i <= last):
             docs = anchors.get(prompt[i:i + ANCHOR])
             if docs:
                 for doc in docs:
@@ -175,7 +179,8 @@ class DocumentIndex:
         for doc in self._short:
             start = prompt.find(doc.text)
             while start != -1:
-                candidates.append(Span(start, start + len(doc.text), doc))
+                if allowed is None or start in allowed:
+                    candidates.append(Span(start, start + len(doc.text), doc))
                 start = prompt.find(doc.text, start + 1)
         candidates.sort(key=lambda s: (s.start, -(s.end - s.start)))
         spans, reach = [], 0

@@ -80,5 +80,15 @@ def test_document_index_finds_documents_in_any_order(tmp_path):
     assert [s.document.text for s in spans] == [long_b, short, long_a]
     assert all(prompt[s.start:s.end] == s.document.text for s in spans)
     assert index.find("nothing here") == []
+    # Only from the given starts (a prompt's token starts): a match elsewhere is not a candidate, and so cannot
+    # shadow a usable one it overlaps.
+    inner = "document text that is certainly longer than the anchor. And more."
+    index.add(doc(inner))
+    overlapping = f"{long_a} And more."
+    assert [s.document.text for s in index.find(overlapping)] == [long_a]
+    starts = [overlapping.index(inner)]
+    assert [s.document.text for s in index.find(overlapping, starts=starts)] == [inner]
+    assert [s.document.text for s in index.find(prompt, starts=[prompt.index(short), prompt.index(long_a)])] == [
+        short, long_a]
     # Persisted: a new index over the same file knows the same documents.
-    assert len(DocumentIndex(tmp_path / "docs.jsonl")) == 3
+    assert len(DocumentIndex(tmp_path / "docs.jsonl")) == 4

@@ -37,6 +37,44 @@ def test_rerotation_matches_encoding_at_the_target_position(make_tiny_engine, do
     assert (k0 - k1).norm() / k1.norm() > 1e-2  # the test can see a wrong position
 
 
+def _rotate_neighbours(x: torch.Tensor) -> torch.Tensor:
+    """GPT-J's pairing (channel 2i with 2i + 1), as some models write rotate_half."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("way", ["halves", "matrix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rerotation_into_a_view_equals_rope_at_the_new_position(make_tiny_engine, monkeypatch, way, dtype):
+    """Both ways rotate_keys moves keys (per-half products where channel i pairs with i + D/2, the rotation matrix
+    for any other pairing), written into a strided view of a larger buffer: RoPE applied afresh at the new
+    positions, to fp32 rounding (bf16: its own), and nothing outside the view touched."""
+    adapter = make_tiny_engine().adapter
+    assert adapter._splits_halves(adapter.head_dim)
+    if way == "matrix":
+        monkeypatch.setattr(adapter, "_splits_halves", lambda r: False)
+    start, delta, count = 5, 300, 24
+    unturned = torch.randn(adapter.num_layers, adapter.num_kv_heads, count, adapter.head_dim)
+
+    def at(first):  # keys [L, H_kv, S, D] as RoPE places them at first .. first + S - 1
+        return adapter.apply_rope(unturned, *adapter.rope_frame(torch.arange(first, first + count)), fused=False)
+
+    buffer = torch.full((adapter.num_layers, adapter.num_kv_heads, 3 * count, adapter.head_dim), 7.0, dtype=dtype)
+    view = buffer[:, :, count:2 * count]
+    returned = adapter.rotate_keys(at(start).to(dtype), delta, out=view)
+    truth = at(start + delta)
+    assert returned.data_ptr() == view.data_ptr()
+    assert (view.float() - truth).norm() / truth.norm() < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert (at(start) - truth).norm() / truth.norm() > 1e-1  # the test can see a wrong position
+    assert bool((buffer[:, :, :count] == 7.0).all()) and bool((buffer[:, :, 2 * count:] == 7.0).all())
+    assert torch.equal(adapter.rotate_keys(at(start).to(dtype), delta), view)  # a new tensor, the same numbers
+
+
+def test_other_rope_pairings_take_the_matrix(make_tiny_engine, monkeypatch):
+    adapter = make_tiny_engine().adapter
+    monkeypatch.setattr(adapter, "rotate_half", _rotate_neighbours)
+    assert not adapter._splits_halves(adapter.head_dim)
+
+
 def test_exact_prefix_hit_equals_full_prefill(make_tiny_engine, docs, rag_prompt):
     engine = make_tiny_engine()
     prompt = rag_prompt(docs, "Who founded it?")
