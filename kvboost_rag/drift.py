@@ -80,10 +80,6 @@ def _unrotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return adapter.apply_rope(keys, cos, sin, inverse=True)  # RoPE's inverse: angle -> -angle
 
 
-def _rotate(adapter, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return adapter.apply_rope(keys, cos, sin)
-
-
 def place(adapter, cache, entry, start: int, maps: DriftMaps, index: int = 0) -> None:
     """Write a stored chunk's K/V into `cache` at `start`, mapped by the maps of the `index`-th reused chunk of
     the prompt (layer 0's K/V do not depend on context: only moved). Done per chunk while the prompt is
@@ -99,9 +95,10 @@ def place(adapter, cache, entry, start: int, maps: DriftMaps, index: int = 0) ->
     cached_keys, cached_values = cache.span(start, start + count)  # views: [L, H_kv, S, D]
     adapter.rotate_keys(keys[:1], start - entry.start, slice(0, 1), out=cached_keys[:1])
     cached_values[0] = values[0]
-    unrotated = _unrotate(adapter, keys[1:].float(), *_frame(adapter, entry.start, count, slice(1, None)))
+    # fp32 from the first product on (the frames are fp32); the last rotation writes straight into the cache
+    unrotated = _unrotate(adapter, keys[1:], *_frame(adapter, entry.start, count, slice(1, None)))
     mapped = _affine(unrotated.flatten(0, 1), key_maps[1:].flatten(0, 1)).view(layers - 1, heads, count, dim)
-    cached_keys[1:] = _rotate(adapter, mapped, *_frame(adapter, start, count, slice(1, None)))
+    adapter.apply_rope(mapped, *_frame(adapter, start, count, slice(1, None)), out=cached_keys[1:])
     cached_values[1:] = _affine(values[1:].flatten(0, 1), value_maps[1:].flatten(0, 1)).view_as(mapped)
 
 

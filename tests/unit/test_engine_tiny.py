@@ -69,6 +69,29 @@ def test_rerotation_into_a_view_equals_rope_at_the_new_position(make_tiny_engine
     assert torch.equal(adapter.rotate_keys(at(start).to(dtype), delta), view)  # a new tensor, the same numbers
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("partial", [False, True])
+def test_fused_rope_by_halves_equals_the_models_form(make_tiny_engine, inverse, partial):
+    """apply_rope's fused path (products per half, into `out`, bf16 keys promoted to the fp32 frame) against the
+    model's own form, rotate_half and all: per-token frames, forwards and back, full and partial rotary."""
+    adapter = make_tiny_engine().adapter
+    count, dim = 17, adapter.head_dim
+    cos, sin = adapter.rope_frame(torch.arange(40, 40 + count))  # [1, 1, S, D]
+    if partial:
+        r = dim // 2
+        angles = torch.atan2(sin, cos)[..., :r // 2]
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    keys = torch.randn(adapter.num_layers, adapter.num_kv_heads, count, dim).to(torch.bfloat16)
+    truth = adapter.apply_rope(keys.float(), cos, sin, inverse=inverse, fused=False)
+    fused = adapter.apply_rope(keys, cos, sin, inverse=inverse)
+    assert fused.dtype == torch.float32 and fused.shape == keys.shape
+    torch.testing.assert_close(fused, truth, atol=1e-6, rtol=1e-6)
+    out = torch.full((adapter.num_layers, adapter.num_kv_heads, count + 4, dim), 7.0)[:, :, 2:2 + count]
+    assert adapter.apply_rope(keys, cos, sin, inverse=inverse, out=out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, truth, atol=1e-6, rtol=1e-6)
+    assert (truth - keys.float()).abs().max() > 1e-2  # the frame turns something
+
+
 def test_other_rope_pairings_take_the_matrix(make_tiny_engine, monkeypatch):
     adapter = make_tiny_engine().adapter
     monkeypatch.setattr(adapter, "rotate_half", _rotate_neighbours)
