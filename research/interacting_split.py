@@ -16,8 +16,11 @@ acted on): the first token's estimated flip chance is higher for the interacting
 pair. Reported beside it: the first-token KL from a full prefill (the truth), whether the first token equals
 full's, and balanced's first-token estimate and fallback.
 
-    .venv/bin/python research/interacting_split.py      # ~1 min, fp32, the bundled model
+    .venv/bin/python research/interacting_split.py [MODEL]   # ~1 min, fp32; MODEL: the bundled one, or as
+                                                              # from_pretrained takes it ("gemma-3-270m")
 """
+
+import sys
 
 import torch.nn.functional as F
 
@@ -62,9 +65,10 @@ SIDES = (("interacting", 0, " "), ("independent", 1, "\n\n"))  # name, index in 
 
 
 def main() -> None:
+    model = sys.argv[1] if len(sys.argv) > 1 else None
     engines = {}
     for name, side, _ in SIDES:
-        engines[name] = KVBoost.from_pretrained(dtype="float32", calibrate=False)
+        engines[name] = KVBoost.from_pretrained(model, dtype="float32", calibrate=False)
         engines[name].ingest([doc for i in range(len(PAIRS)) for doc in pair(i)[side]], calibrate=False)
     print("pair kind        | reused docs | fast: P(flip) first, KL first, same first | balanced: P(flip), fell back")
     higher = 0
