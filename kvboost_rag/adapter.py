@@ -17,6 +17,7 @@ Tested with transformers 5.24 (the API moved in 5.x: the layers' cache keyword i
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Sequence
@@ -32,6 +33,13 @@ from .attention import CausalRows
 from .kvcache import KVBuffers, RowsCache
 
 __all__ = ["COMPOSABLE_ROPE", "SUPPORTED_MODEL_TYPES", "Masks", "ModelAdapter", "UnsupportedModelError"]
+
+
+@functools.cache
+def _pairs_halves(rotate_half, r: int) -> bool:
+    """ModelAdapter._splits_halves, probed once per rotate_half and width: assembly asks for every reused chunk."""
+    probe = torch.arange(1.0, r + 1)
+    return r % 2 == 0 and torch.equal(rotate_half(probe), torch.cat([-probe[r // 2:], probe[:r // 2]]))
 
 
 @dataclass(frozen=True)
@@ -180,8 +188,7 @@ class ModelAdapter:
     def _splits_halves(self, r: int) -> bool:
         """Whether the model's rotate_half over R channels is (x1, x2) -> (-x2, x1), channel i paired with i + R/2
         (Llama's convention, most models'), rather than neighbouring channels or another pairing."""
-        probe = torch.arange(1.0, r + 1)
-        return r % 2 == 0 and torch.equal(self.rotate_half(probe), torch.cat([-probe[r // 2:], probe[:r // 2]]))
+        return _pairs_halves(self.rotate_half, r)
 
     # ---- masks and the forward -------------------------------------------------------------
 
