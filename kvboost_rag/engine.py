@@ -69,6 +69,9 @@ class Prefill:
     risk: float = 0.0
     fell_back: bool = False
     curve: fidelity.Predictor | None = None  # the guard's flip curve, for this request's recompute budget
+    # The recompute budget the served cache was repaired at (a guarded strategy's: its level's or recompute_ratio,
+    # 1.0 when it fell back to a full prefill); None for the other strategies.
+    recompute_budget: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -104,6 +107,7 @@ class Generation:
     fidelity_estimate: float = 0.0
     fell_back: bool = False
     exact_from: int | None = None
+    recompute_budget: float | None = None  # Prefill.recompute_budget: the served repair's budget (1.0: fell back)
 
     @property
     def generated_tokens(self) -> int:
@@ -343,16 +347,20 @@ class KVBoost:
             done = chosen.prefill(Request(self.adapter, p, cache, settings))
             logits = self.adapter.logits(done.hidden)[-1]
             guard = self._guard(settings, p) if chosen.guarded else None
+            budget = settings.budget if chosen.guarded else None
             fell_back = guard is not None and not guard.trusts(logits)
+            # No second repair at a larger budget first: the first tokens refused at balanced's budget were refused
+            # at strict's too, 6 of 7 (docs/method.md, "Escalating the first token").
             if fell_back:  # its first token cannot be trusted: a full prefill, as `full` computes it
                 cache, logits = self._exact_cache(p.token_ids, n + max_new_tokens)
+                budget = 1.0
             ttft_ms = _elapsed_ms(started, logits)
             if write_back and (chosen.reuse_exact or chosen.reuse_content):
                 self._write_back(p, cache)
         risk = 0.0 if guard is None or fell_back else guard.risk
         return Prefill(p, cache, logits, n if fell_back else done.recomputed_tokens, strategy, started, ttft_ms,
                        None if guard is None else guard.target, risk, fell_back,
-                       None if guard is None else guard.predictor)
+                       None if guard is None else guard.predictor, budget)
 
     def _guard(self, settings: RepairConfig, p: Plan) -> fidelity.Guard | None:
         """The fidelity guard of a request whose cache is not exact (content hits, or quantized KV); None when
@@ -472,7 +480,7 @@ class KVBoost:
             ttft_ms=pre.ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,
             prompt_tokens=pre.prompt_tokens, reused_tokens=pre.reused_tokens, exact_tokens=pre.exact_tokens,
             recomputed_tokens=pre.recomputed_tokens, fidelity_estimate=risk if guard is None else guard.risk,
-            fell_back=pre.fell_back, exact_from=exact_from)
+            fell_back=pre.fell_back, exact_from=exact_from, recompute_budget=pre.recompute_budget)
         yield StreamPiece(tail, None, result)
 
     def generate(self, prompt: str | Messages, **kwargs) -> Generation:

@@ -190,12 +190,13 @@ def ingest(engine: KVBoost, texts: Sequence[str], *, pin: bool = False, progress
 def figures(engine: KVBoost, result: Generation) -> dict[str, Any]:
     """What a response reports besides its text: the model, the strategy, the timings, the prompt tokens
     reused, of which exact, and recomputed, and the fidelity guard's figures: the predicted chance the answer
-    differs from a full prefill's, whether it fell back to one, from which token on it came from an exact cache."""
+    differs from a full prefill's, the recompute budget its cache was repaired at (1.0: it fell back to a full
+    prefill), whether it fell back, from which token on it came from an exact cache."""
     return {"model_name": engine.model_id, "strategy": result.strategy, "finish_reason": result.finish_reason,
             "ttft_ms": result.ttft_ms, "total_ms": result.total_ms, "reused_tokens": result.reused_tokens,
             "exact_tokens": result.exact_tokens, "recomputed_tokens": result.recomputed_tokens,
-            "fidelity_estimate": result.fidelity_estimate, "fell_back": result.fell_back,
-            "exact_from": result.exact_from}
+            "fidelity_estimate": result.fidelity_estimate, "recompute_budget": result.recompute_budget,
+            "fell_back": result.fell_back, "exact_from": result.exact_from}
 
 
 def token_counts(result: Generation) -> dict[str, int]:

@@ -13,7 +13,7 @@ extension, `POST /v1/documents` ({"documents": [str, ...], "pin": bool} -> their
 before the requests that quote them. A request may pick the reuse strategy with the extra field `strategy`
 (the openai client's `extra_body`); every response carries, next to OpenAI's `usage`, a `kvboost` object with
 the request's figures (ttft_ms, reused_tokens, exact_tokens, recomputed_tokens, strategy, total_ms, and the fidelity
-guard's fidelity_estimate, fell_back and exact_from); `fidelity` picks the guard's level per request.
+guard's fidelity_estimate, recompute_budget, fell_back and exact_from); `fidelity` picks the guard's level per request.
 `usage.prompt_tokens_details.cached_tokens` is OpenAI's name for the reused tokens.
 
 `create_app(engine, api_key=...)` makes every /v1/* route and /metrics require `Authorization: Bearer KEY`
@@ -215,11 +215,11 @@ def _usage(result: Generation) -> dict:
 
 def _figures(result: Generation) -> dict:
     """The `kvboost` object: what the request reused, how long its first token took, and the fidelity guard's
-    figures (the predicted chance the answer differs from a full prefill's, fell_back, exact_from)."""
+    figures (the predicted chance the answer differs from a full prefill's, recompute_budget, fell_back, exact_from)."""
     return {"strategy": result.strategy, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms,
             "reused_tokens": result.reused_tokens, "exact_tokens": result.exact_tokens,
             "recomputed_tokens": result.recomputed_tokens, "fidelity_estimate": result.fidelity_estimate,
-            "fell_back": result.fell_back, "exact_from": result.exact_from}
+            "recompute_budget": result.recompute_budget, "fell_back": result.fell_back, "exact_from": result.exact_from}
 
 
 def _sse(data: dict | str) -> str:

@@ -64,6 +64,8 @@ def _run(args, engine, docs) -> int:
         if out.strategy != "full":
             how = ("fell back to a full prefill" if out.fell_back else "from the reused cache" if out.exact_from is None
                    else f"exact cache from token {out.exact_from} on")
+            if out.recompute_budget is not None and not out.fell_back:
+                how += f", {out.recompute_budget:.0%} of the reused tokens repaired per layer"
             print(f"  fidelity: {out.fidelity_estimate:.1%} predicted chance the answer differs from a full "
                   f"prefill's ({how})")
     if len(runs) > 1:

@@ -137,6 +137,8 @@ def test_calibration_fits_a_curve_per_level_budget_and_strict_requests_use_their
     for level in ("balanced", "strict"):
         pre = calibrated.prefill(prompt, repair=RepairConfig(fidelity=level), write_back=False)
         assert pre.curve.budget == budgets[level]
+        assert pre.recompute_budget == (1.0 if pre.fell_back else budgets[level])  # reported with the answer
+    assert calibrated.prefill(prompt, "naive", write_back=False).recompute_budget is None  # unguarded: no budget
     # An explicit recompute_ratio runs every level at it: one curve, fitted there.
     calibrated.config = replace(calibrated.config, repair=RepairConfig(recompute_ratio=0.3))
     refit = calibrated.calibrate()
@@ -162,7 +164,9 @@ def test_a_target_no_cache_meets_falls_back_to_exactly_a_full_prefill(calibrated
     assert guarded.token_ids == full.token_ids
     pre = engine.prefill(prompt, repair=unreachable, write_back=False)
     assert torch.equal(pre.logits, engine.prefill(prompt, "full", write_back=False).logits)
-    assert pre.recomputed_tokens == pre.prompt_tokens
+    assert pre.recomputed_tokens == pre.prompt_tokens and pre.recompute_budget == 1.0
+    assert guarded.recompute_budget == 1.0
+
 
 
 def test_an_unsure_token_later_in_the_answer_moves_it_to_an_exact_cache(calibrated):

@@ -135,6 +135,7 @@ def test_chat_is_the_engines_answer(client, engine, strategy):
     assert out.kvboost["strategy"] == strategy
     assert out.kvboost["ttft_ms"] > 0
     assert out.kvboost["reused_tokens"] + out.kvboost["recomputed_tokens"] == out.usage.prompt_tokens
+    assert out.kvboost["recompute_budget"] == expected.recompute_budget  # None for full, the level's for cacheblend
     assert out.usage.prompt_tokens_details.cached_tokens == out.kvboost["reused_tokens"]
 
 

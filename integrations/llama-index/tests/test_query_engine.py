@@ -14,6 +14,7 @@ from llama_index.core.ingestion import IngestionPipeline
 from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarm, llm_text
 from llama_index.llms.kvboost.base import _to_chat_message
 
+from kvboost_rag import RepairConfig
 from kvboost_rag.bench.data import bundled, load_items
 
 from .conftest import Shuffle
@@ -71,8 +72,10 @@ def test_shuffled_query_reuses_kv_and_matches_full(engine, index, items, chat_lo
         assert figures["strategy"] == "cacheblend"
         if figures["fell_back"]:  # the fidelity guard did not trust the first token: a full prefill, full's answer
             assert figures["reused_tokens"] == 0 and answers["default"][0] == answers["full"][0]
+            assert figures["recompute_budget"] == 1.0
         else:
             assert figures["reused_tokens"] - figures["exact_tokens"] >= 0.5 * doc_tokens  # out-of-order reuse
+            assert figures["recompute_budget"] == RepairConfig().budget
         assert answers["exact"][1]["reused_tokens"] > 0
         assert answers["exact"][0] == answers["full"][0]
         agree += answers["default"][0] == answers["full"][0]

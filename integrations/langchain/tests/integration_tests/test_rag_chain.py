@@ -89,7 +89,7 @@ def test_shuffled_chain_reuses_kv_and_matches_full(engine, retriever, corpus):
         assert default.usage_metadata["input_tokens"] == full.usage_metadata["input_tokens"]
         # Exact repair: every reused document token is recomputed, the prefix is still read from the
         # cache (written back by the request above), and the greedy answer is a full prefill's.
-        assert exact.response_metadata["reused_tokens"] > 0
+        assert exact.response_metadata["reused_tokens"] > 0 and exact.response_metadata["recompute_budget"] == 1.0
         assert exact.content == full.content
         agree += default.content == full.content
     print(f"default cacheblend agrees with full on {agree}/{len(items)} answers")
