@@ -230,3 +230,19 @@ def test_calibrations_drift_maps_equal_a_fit_on_the_models_own_forward(calibrate
     assert torch.allclose(calibrated.drift.keys, reference.keys, atol=1e-4, rtol=1e-4)
     assert torch.allclose(calibrated.drift.values, reference.values, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(reference.keys, torch.zeros_like(reference.keys), atol=1e-2)
+
+
+def test_ask_prints_the_guards_figures(make_tiny_engine, tmp_path, monkeypatch, capsys):
+    from kvboost_rag.cli import main as cli_main
+    from kvboost_rag.engine import KVBoost
+
+    monkeypatch.setattr(KVBoost, "from_pretrained", classmethod(lambda cls, *a, config=None: make_tiny_engine(config)))
+    paths = []
+    for i, text in enumerate(corpus()[:4]):
+        paths.append(tmp_path / f"doc{i}.txt")
+        paths[-1].write_text(text)
+    assert cli_main(["ask", "Who is the mayor of Varde?", "--docs", *map(str, paths), "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    budget = RepairConfig().budget
+    assert "predicted chance the answer differs from a full prefill's" in out
+    assert f"{budget:.0%} of the reused tokens repaired per layer" in out
