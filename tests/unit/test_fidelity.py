@@ -168,7 +168,6 @@ def test_a_target_no_cache_meets_falls_back_to_exactly_a_full_prefill(calibrated
     assert guarded.recompute_budget == 1.0
 
 
-
 def test_an_unsure_token_later_in_the_answer_moves_it_to_an_exact_cache(calibrated):
     """A target the first token meets but the answer cannot: the rest comes from a full prefill of the prompt
     and the tokens so far, so it continues as `full` would from there."""
