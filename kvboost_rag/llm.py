@@ -1,5 +1,6 @@
 """What a framework's LLM class needs from the engine, framework-neutral: both integrations (LangChain's
-ChatKVBoost, LlamaIndex's KVBoostLLM) are thin adapters over these functions.
+ChatKVBoost, LlamaIndex's KVBoostLLM) are thin adapters over these functions, and the server reports the same
+request figures (`request_figures`).
 
 An LLM class holds the fields named in `LLMFields` (the same names in both frameworks) and a `client`
 property that returns its engine, loaded on first use (`serving.shared_engine`). Everything is checked
@@ -188,15 +189,20 @@ def ingest(engine: KVBoost, texts: Sequence[str], *, pin: bool = False, progress
 
 
 def figures(engine: KVBoost, result: Generation) -> dict[str, Any]:
-    """What a response reports besides its text: the model, the strategy, the timings, the prompt tokens
-    reused, of which exact, and recomputed, and the fidelity guard's figures: the predicted chance the answer
-    differs from a full prefill's, the recompute budget its cache was repaired at (1.0: it fell back to a full
-    prefill), whether it fell back, from which token on it came from an exact cache."""
-    return {"model_name": engine.model_id, "strategy": result.strategy, "finish_reason": result.finish_reason,
-            "ttft_ms": result.ttft_ms, "total_ms": result.total_ms, "reused_tokens": result.reused_tokens,
-            "exact_tokens": result.exact_tokens, "recomputed_tokens": result.recomputed_tokens,
-            "fidelity_estimate": result.fidelity_estimate, "recompute_budget": result.recompute_budget,
-            "fell_back": result.fell_back, "exact_from": result.exact_from}
+    """What a response reports besides its text (LangChain's response_metadata, LlamaIndex's additional_kwargs):
+    the model, why it stopped, and `request_figures`."""
+    return {"model_name": engine.model_id, "finish_reason": result.finish_reason, **request_figures(result)}
+
+
+def request_figures(result: Generation) -> dict[str, Any]:
+    """The request's own figures, the same in every interface (the server's `kvboost` object too): the strategy,
+    the timings, the prompt tokens reused, of which exact, and recomputed, and the fidelity guard's figures: the
+    predicted chance the answer differs from a full prefill's, the recompute budget its cache was repaired at (1.0:
+    it fell back to a full prefill), whether it fell back, from which token on it came from an exact cache."""
+    return {"strategy": result.strategy, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms,
+            "reused_tokens": result.reused_tokens, "exact_tokens": result.exact_tokens,
+            "recomputed_tokens": result.recomputed_tokens, "fidelity_estimate": result.fidelity_estimate,
+            "recompute_budget": result.recompute_budget, "fell_back": result.fell_back, "exact_from": result.exact_from}
 
 
 def token_counts(result: Generation) -> dict[str, int]:

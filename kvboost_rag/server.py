@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException
 
 from .config import ConfigError
 from .engine import Generation, KVBoost, StreamPiece
+from .llm import request_figures
 from .server_gate import DEFAULT_MAX_REQUESTS, Gate, ServerMetrics, error_body
 from .serving import astream_pieces
 
@@ -213,15 +214,6 @@ def _usage(result: Generation) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.reused_tokens}}
 
 
-def _figures(result: Generation) -> dict:
-    """The `kvboost` object: what the request reused, how long its first token took, and the fidelity guard's
-    figures (the predicted chance the answer differs from a full prefill's, recompute_budget, fell_back, exact_from)."""
-    return {"strategy": result.strategy, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms,
-            "reused_tokens": result.reused_tokens, "exact_tokens": result.exact_tokens,
-            "recomputed_tokens": result.recomputed_tokens, "fidelity_estimate": result.fidelity_estimate,
-            "recompute_budget": result.recompute_budget, "fell_back": result.fell_back, "exact_from": result.exact_from}
-
-
 def _sse(data: dict | str) -> str:
     body = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {body}\n\n"
@@ -330,7 +322,7 @@ class _Server:
         self.metrics.observe(result)
         return {**self._head(kind.object, request_id, created),
                 "choices": [kind.choice(result.text, result.finish_reason)], "usage": _usage(result),
-                "kvboost": _figures(result)}
+                "kvboost": request_figures(result)}
 
     async def _events(self, kind: _Kind, call: Call, pieces: AsyncIterator[StreamPiece], request_id: str,
                       created: int) -> AsyncIterator[str]:
@@ -351,7 +343,7 @@ class _Server:
                 return
             self.metrics.observe(result)
             yield _sse({**head, "choices": [kind.delta(None, result.finish_reason)], **usage,
-                        "kvboost": _figures(result)})
+                        "kvboost": request_figures(result)})
             if call.include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(result)})
             yield _sse("[DONE]")
