@@ -170,7 +170,8 @@ class DocumentIndex:
         anchors = self._by_anchor
         allowed = None if starts is None else set(starts)
         last = len(prompt) - ANCHOR
-        for i in range(last + 1) if allowed is None else sorted(i for i in allowed if i <= last):
+        # Any order: the candidates are sorted below.
+        for i in range(last + 1) if allowed is None else (i for i in allowed if i <= last):
             docs = anchors.get(prompt[i:i + ANCHOR])
             if docs:
                 for doc in docs:
