@@ -6,7 +6,8 @@ per matmul) hardly notices; what reuse computes does (a question's few dozen tok
 one token per decode step): the bundled model's 210 decoder linears read 212 MB of bf16 weights per forward.
 Packing each weight once, when the engine takes the model, and calling oneDNN's linear on the packed copy gives the
 same numbers bit for bit (`tests/unit/test_packing.py`) at a lower cost; the figures are in docs/method.md ("Packed
-weights and a decode step's attention").
+weights and a decode step's attention"). Linears that read one input (q/k/v, gate/up) then run as one call over
+their weights side by side (`Siblings`, note 1g there): 4 calls per layer instead of 7, the same numbers again.
 
 torch's own ops for this (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`) are what its compiler
 emits for frozen CPU models; we call them directly rather than compile the model (minutes on two cores, and a
@@ -21,9 +22,13 @@ import torch
 import torch.nn.functional as F
 
 # Packing keeps a second copy of every linear weight (the original stays: state dicts, weight digests and
-# Phi-3's fused projection read it). Past this many bytes of linear weights the copy costs more memory than a
-# CPU user would expect to give to a few milliseconds per forward.
+# Phi-3's fused projection read it), and k and v a third (see Siblings). Past this many bytes of linear weights
+# the copies cost more memory than a CPU user would expect to give to a few milliseconds per forward.
 MAX_PACKED_BYTES = 4 << 30
+# Siblings that read one input, in the order the layers call them: the first computes all of them in one call.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Siblings also called alone, on an input of their own (adapter.project_kv): they keep their own packed weight.
+CALLED_ALONE = ("k_proj", "v_proj")
 
 
 class PackedLinear(torch.nn.Module):
@@ -35,16 +40,77 @@ class PackedLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.packed = packed  # oneDNN's blocked layout, not a Parameter: never saved, never moved
+        self.siblings: Siblings | None = None  # set when it is computed with the linears beside it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features]."""
-        if self.weight.device.type != "cpu" or self.weight.dtype != self.packed.dtype:
+        if self.weight.device.type != "cpu" or self.weight.dtype != self.weight_dtype:
             # The model was moved or cast since it was packed (.to("cuda"), .float()): the weight went with it.
             return F.linear(x, self.weight, self.bias)
+        if self.siblings is not None:
+            return self.siblings.columns_of(self, x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return (self.packed if self.packed is not None else self.siblings.packed).dtype
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+class Siblings:
+    """Linears that read the same input (an attention's q, k, v projections; an MLP's gate and up) computed as one
+    oneDNN call over their weights side by side, each served its columns of the result.
+
+    With few rows a linear's cost is mostly per call and per weight read, not arithmetic: for 30 rows the three
+    projections took 166 us apart and 104 together, for one row (a decode step) 72 and 31. The columns are the same
+    numbers bit for bit (`fits` checks it on the model's own weights before any is fused).
+
+    The layers call the siblings one after another on the same tensor, unchanged: the first computes all of them
+    and keeps the result until each sibling has taken its columns. A sibling called on another input runs on its
+    own packed weight if it kept one (CALLED_ALONE: cacheblend's `project_kv` reads k and v alone), else computes
+    all the columns again and serves its own. Not thread-safe, as the model's forward is not: the engine runs one
+    forward at a time."""
+
+    def __init__(self, members: list[PackedLinear]):
+        self.members = members
+        weight = torch.cat([member.weight.detach() for member in members])
+        bias = None if members[0].bias is None else torch.cat([member.bias.detach() for member in members])
+        self.packed, self.bias = torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
+        ends = torch.tensor([member.out_features for member in members]).cumsum(0).tolist()
+        self.columns = {id(member): (end - member.out_features, end) for member, end in zip(members, ends, strict=True)}
+        self.input: torch.Tensor | None = None
+        self.result: torch.Tensor | None = None
+        self.waiting: set[int] = set()  # the members that have not yet taken their columns of `result`
+
+    def columns_of(self, member: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> member's output [..., member.out_features] (a view of the group's)."""
+        if x is not self.input or id(member) not in self.waiting:
+            if member.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, member.packed, member.bias, "none", [], "")
+            self.input, self.waiting = x, {id(m) for m in self.members}
+            self.result = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        start, end = self.columns[id(member)]
+        out = self.result[..., start:end]
+        self.waiting.discard(id(member))
+        if not self.waiting:  # every member served: nothing kept alive past this layer
+            self.input = self.result = None
+        return out
+
+    def fits(self) -> bool:
+        """Whether each member's columns equal its own linear's output bit for bit, for a decode step's row and
+        a few rows (oneDNN could block a wider weight otherwise)."""
+        generator = torch.Generator().manual_seed(0)  # the caller's random state is left alone
+        for rows in (1, 17):
+            x = torch.randn(1, rows, self.members[0].in_features, generator=generator).to(self.packed.dtype)
+            together = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            for member in self.members:
+                start, end = self.columns[id(member)]
+                alone = F.linear(x, member.weight, member.bias)
+                if not torch.equal(together[..., start:end], alone):
+                    return False
+        return True
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -83,4 +149,27 @@ def pack_linears(model: torch.nn.Module) -> int:
             if key not in packed:
                 packed[key] = torch.ops.mkldnn._reorder_linear_weight(child.weight.detach(), None)
             setattr(parent, name, PackedLinear(child, packed[key]))
+        fuse_siblings(model)
     return len(linears)
+
+
+def fuse_siblings(model: torch.nn.Module) -> int:
+    """Group each module's FUSED_SIBLINGS (all packed, one input width, all with biases or none) into Siblings,
+    where their columns come out bit for bit; returns how many groups were made."""
+    groups = 0
+    for parent in model.modules():
+        for names in FUSED_SIBLINGS:
+            members = [getattr(parent, name, None) for name in names]
+            if not all(type(m) is PackedLinear and m.siblings is None for m in members):
+                continue
+            if len({m.in_features for m in members}) > 1 or len({m.bias is None for m in members}) > 1:
+                continue
+            siblings = Siblings(members)
+            if not siblings.fits():
+                continue
+            for name, member in zip(names, members, strict=True):
+                member.siblings = siblings
+                if name not in CALLED_ALONE:  # its columns come from the group's weight (see Siblings)
+                    member.packed = None
+            groups += 1
+    return groups

@@ -23,6 +23,7 @@ from kvboost_rag.adapter import ModelAdapter, UnsupportedModelError
 from kvboost_rag.assembly import APPROX, EXACT, assemble
 from kvboost_rag.drift import DriftMaps
 from kvboost_rag.models import LoadedModel
+from kvboost_rag.packing import can_pack, pack_linears
 
 # Sliding layers' window: a quarter of the ~250-token test prompts, so every window is crossed, and wider than a
 # document (~45 tokens), so that a reused document's K/V still miss context the prompt gives them: with windows
@@ -295,3 +296,15 @@ def test_every_supported_model_type_is_in_the_matrix():
     from kvboost_rag.adapter import SUPPORTED_MODEL_TYPES
 
     assert sorted(SUPPORTED_MODEL_TYPES) == sorted(f.model_type for f in FAMILIES)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no bf16 kernels to pack for")
+def test_packed_and_fused_bf16_linears_give_each_familys_own_logits(family):
+    """Packing (and q/k/v, gate/up run as one call each, packing.Siblings) changes no number of any family's
+    forward: biases (Qwen2), q/k norms, Phi-3's own fused projections."""
+    plain, packed = build(family.config, family.settings).bfloat16(), build(family.config, family.settings).bfloat16()
+    assert pack_linears(packed) > 0
+    ids = torch.randint(0, plain.config.vocab_size, (1, 23))
+    with torch.inference_mode():
+        for rows in (ids, ids[:, :1]):
+            assert torch.equal(packed(rows).logits, plain(rows).logits)

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag.adapter import ModelAdapter
 from kvboost_rag.models import LoadedModel
-from kvboost_rag.packing import PackedLinear, can_pack, pack_linears
+from kvboost_rag.packing import PackedLinear, Siblings, can_pack, pack_linears
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="this CPU's oneDNN has no bf16 kernels to pack for")
@@ -36,6 +36,9 @@ def test_a_packed_bf16_model_computes_the_same_logits_bit_for_bit():
     # Every linear (7 per layer and the head) is swapped; the state dict (names and values) is unchanged.
     assert swapped == 7 * packed.config.num_hidden_layers + 1
     assert set(_linears(packed).values()) == {PackedLinear}
+    # q/k/v and gate/up of every layer run as one call each (the head and o/down alone).
+    fused = [name for name, module in packed.named_modules() if getattr(module, "siblings", None) is not None]
+    assert len(fused) == 5 * packed.config.num_hidden_layers
     assert packed.state_dict().keys() == state.keys()
     assert all(torch.equal(packed.state_dict()[name], tensor) for name, tensor in state.items())
     ids = torch.randint(0, packed.config.vocab_size, (1, 37))
@@ -104,3 +107,45 @@ def test_a_bf16_engine_packs_its_model_and_keeps_the_exact_truths(bundled_tokeni
 def test_the_adapter_reports_what_it_packed():
     adapter = ModelAdapter(_tiny(torch.float32))
     assert adapter.packed_linears == 0
+
+
+@needs_bf16
+def test_siblings_serve_the_input_they_were_computed_for_and_nothing_stale():
+    model = _tiny(torch.bfloat16)
+    pack_linears(model)
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj.siblings
+    assert isinstance(group, Siblings) and group is attn.k_proj.siblings is attn.v_proj.siblings
+    x, other = torch.randn(1, 7, 64, dtype=torch.bfloat16), torch.randn(1, 7, 64, dtype=torch.bfloat16)
+
+    def alone(linear, x):
+        return torch.nn.functional.linear(x, linear.weight, linear.bias)
+
+    with torch.inference_mode():
+        # As a layer calls them: each gets its own columns of one call, and once all are served nothing is kept.
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            assert torch.equal(proj(x), alone(proj, x))
+        assert group.input is None and group.result is None
+        # k and v on another input (cacheblend's project_kv) after q on x: their own weights, not x's columns.
+        attn.q_proj(x)
+        assert torch.equal(attn.k_proj(other), alone(attn.k_proj, other))
+        assert torch.equal(attn.v_proj(other), alone(attn.v_proj, other))
+        # A second call of the same sibling on the same input is computed again, not served twice from a stale result.
+        attn.q_proj(x)
+        first = attn.k_proj(x)
+        assert torch.equal(attn.k_proj(x), first) and torch.equal(first, alone(attn.k_proj, x))
+        assert torch.equal(attn.q_proj(other), alone(attn.q_proj, other))
+        # gate and up: only k and v keep a weight of their own; up alone on another input still gets its columns.
+        mlp = model.model.layers[0].mlp
+        assert mlp.up_proj.packed is None and attn.k_proj.packed is not None
+        mlp.gate_proj(x)
+        assert torch.equal(mlp.up_proj(other), alone(mlp.up_proj, other))
+
+
+@needs_bf16
+def test_siblings_whose_columns_would_differ_are_left_apart(monkeypatch):
+    monkeypatch.setattr(Siblings, "fits", lambda self: False)
+    model = _tiny(torch.bfloat16)
+    pack_linears(model)
+    assert all(getattr(module, "siblings", None) is None for module in model.modules())
+    assert all(module.packed is not None for module in model.modules() if isinstance(module, PackedLinear))
