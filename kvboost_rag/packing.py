@@ -18,6 +18,8 @@ the row count it was packed for, and the repair's row counts change at every lay
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -31,15 +33,25 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 CALLED_ALONE = ("k_proj", "v_proj")
 
 
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a packed weight: x [..., in] -> [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
 class PackedLinear(torch.nn.Module):
     """An nn.Linear whose forward runs on a weight packed once. Holds the same weight and bias Parameters, so
     the model's state dict, tied weights and anything reading `.weight` see no change."""
 
-    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor):
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = packed  # oneDNN's blocked layout, not a Parameter: never saved, never moved
+        # oneDNN's blocked layout, not a Parameter: never saved, never moved. None for a sibling that needs none.
+        self.packed = packed
         self.siblings: Siblings | None = None  # set when it is computed with the linears beside it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +61,7 @@ class PackedLinear(torch.nn.Module):
             return F.linear(x, self.weight, self.bias)
         if self.siblings is not None:
             return self.siblings.columns_of(self, x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _linear(x, self.packed, self.bias)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -75,25 +87,24 @@ class Siblings:
 
     def __init__(self, members: list[PackedLinear]):
         self.members = members
-        weight = torch.cat([member.weight.detach() for member in members])
-        bias = None if members[0].bias is None else torch.cat([member.bias.detach() for member in members])
-        self.packed, self.bias = torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
-        ends = torch.tensor([member.out_features for member in members]).cumsum(0).tolist()
-        self.columns = {id(member): (end - member.out_features, end) for member, end in zip(members, ends, strict=True)}
+        self.packed = _pack(torch.cat([member.weight for member in members]))
+        self.bias = None if members[0].bias is None else torch.cat([member.bias.detach() for member in members])
+        ends = itertools.accumulate(member.out_features for member in members)
+        self.columns = {member: (end - member.out_features, end) for member, end in zip(members, ends, strict=True)}
         self.input: torch.Tensor | None = None
         self.result: torch.Tensor | None = None
-        self.waiting: set[int] = set()  # the members that have not yet taken their columns of `result`
+        self.waiting: set[PackedLinear] = set()  # the members that have not yet taken their columns of `result`
 
     def columns_of(self, member: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> member's output [..., member.out_features] (a view of the group's)."""
-        if x is not self.input or id(member) not in self.waiting:
+        if x is not self.input or member not in self.waiting:
             if member.packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, member.packed, member.bias, "none", [], "")
-            self.input, self.waiting = x, {id(m) for m in self.members}
-            self.result = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        start, end = self.columns[id(member)]
+                return _linear(x, member.packed, member.bias)
+            self.input, self.waiting = x, set(self.members)
+            self.result = _linear(x, self.packed, self.bias)
+        start, end = self.columns[member]
         out = self.result[..., start:end]
-        self.waiting.discard(id(member))
+        self.waiting.discard(member)
         if not self.waiting:  # every member served: nothing kept alive past this layer
             self.input = self.result = None
         return out
@@ -104,9 +115,9 @@ class Siblings:
         generator = torch.Generator().manual_seed(0)  # the caller's random state is left alone
         for rows in (1, 17):
             x = torch.randn(1, rows, self.members[0].in_features, generator=generator).to(self.packed.dtype)
-            together = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            together = _linear(x, self.packed, self.bias)
             for member in self.members:
-                start, end = self.columns[id(member)]
+                start, end = self.columns[member]
                 alone = F.linear(x, member.weight, member.bias)
                 if not torch.equal(together[..., start:end], alone):
                     return False
@@ -123,9 +134,7 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
             return False
         weight, bias = torch.randn(48, 40, dtype=dtype), torch.randn(48, dtype=dtype)
         x = torch.randn(2, 3, 40, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
-                                F.linear(x, weight, bias)))
+        return bool(torch.equal(_linear(x, _pack(weight), bias), F.linear(x, weight, bias)))
     except (RuntimeError, AttributeError):  # an op missing or refused by this build of torch
         return False
 
@@ -142,20 +151,26 @@ def pack_linears(model: torch.nn.Module) -> int:
     mixed = any(child.weight.dtype != weight.dtype or child.weight.device != weight.device for _, _, child in linears)
     if mixed or size > MAX_PACKED_BYTES or not can_pack(weight.dtype, weight.device):  # the probe last: it computes
         return 0
-    packed: dict[int, torch.Tensor] = {}  # one packed copy per weight, however many modules share it
     with torch.no_grad():
+        swapped = []
         for parent, name, child in linears:
-            key = id(child.weight)
-            if key not in packed:
-                packed[key] = torch.ops.mkldnn._reorder_linear_weight(child.weight.detach(), None)
-            setattr(parent, name, PackedLinear(child, packed[key]))
-        fuse_siblings(model)
+            swapped.append((name, PackedLinear(child)))
+            setattr(parent, name, swapped[-1][1])
+        fuse_siblings(model)  # before packing: a sibling served by its group's weight needs none of its own
+        packed: dict[int, torch.Tensor] = {}  # one packed copy per weight, however many modules share it
+        for name, linear in swapped:
+            if linear.siblings is None or name in CALLED_ALONE:
+                key = id(linear.weight)
+                if key not in packed:
+                    packed[key] = _pack(linear.weight)
+                linear.packed = packed[key]
     return len(linears)
 
 
 def fuse_siblings(model: torch.nn.Module) -> int:
-    """Group each module's FUSED_SIBLINGS (all packed, one input width, all with biases or none) into Siblings,
-    where their columns come out bit for bit; returns how many groups were made."""
+    """Group each module's FUSED_SIBLINGS (all PackedLinear, one input width, all with biases or none) into
+    Siblings, where their columns come out bit for bit; returns how many groups were made. The members' own
+    weights are packed after (pack_linears): only those not grouped, and CALLED_ALONE."""
     groups = 0
     for parent in model.modules():
         for names in FUSED_SIBLINGS:
@@ -167,9 +182,7 @@ def fuse_siblings(model: torch.nn.Module) -> int:
             siblings = Siblings(members)
             if not siblings.fits():
                 continue
-            for name, member in zip(names, members, strict=True):
+            for member in members:
                 member.siblings = siblings
-                if name not in CALLED_ALONE:  # its columns come from the group's weight (see Siblings)
-                    member.packed = None
             groups += 1
     return groups
