@@ -10,12 +10,14 @@ before (BEFORE_APPLY_ROPE below, bound to that adapter alone); "after" is the li
 same numbers bit for bit (tests/unit/test_packing.py, and the check this script makes). Per prompt size (the
 bundled synthetic set's items 130 on, built as bench-scaling builds them): ROUNDS rounds after one to warm up,
 each a full, naive and cacheblend prefill (unguarded, no drift maps) and DECODE_STEPS decode steps per engine,
-the engines' order alternating; then the assembly alone. Medians.
+the engines' order alternating; then the assembly alone. Medians. Last, what it costs at load: packing a copy of
+the bf16 model with and without siblings, alternately, ROUNDS times each.
 
     .venv/bin/python research/fewer_calls.py 1000,1650
 """
 
 import argparse
+import copy
 import statistics
 import time
 import types
@@ -27,6 +29,7 @@ from kvboost_rag.assembly import assemble
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import render_prompt, store_shared_prefix
 from kvboost_rag.bench.scaling import build_prompts, token_counter
+from kvboost_rag.models import load
 
 ROUNDS, DECODE_STEPS = 7, 6
 
@@ -113,6 +116,25 @@ def main() -> None:
                     assemble(plan, engine.adapter, plan.num_tokens)
                     times.append(time.perf_counter() - started)
                 print(f"  assembly ({name}, naive's plan): {statistics.median(times) * 1e3:.1f} ms")
+    for name, ms in packing_ms(args.rounds).items():
+        print(f"packing the model's weights at load, {name}: {ms:.0f} ms")
+
+
+def packing_ms(rounds: int) -> dict[str, float]:
+    """pack_linears on a fresh copy of the unpacked bf16 model, without and with siblings, alternately."""
+    model, shipped = load(None, dtype="bfloat16").model, packing.FUSED_SIBLINGS
+    times: dict[str, list[float]] = {"without siblings": [], "with siblings": []}
+    for _ in range(rounds + 1):
+        for name, siblings in (("without siblings", ()), ("with siblings", shipped)):
+            fresh = copy.deepcopy(model)
+            packing.FUSED_SIBLINGS = siblings
+            try:
+                started = time.perf_counter()
+                packing.pack_linears(fresh)
+                times[name].append(time.perf_counter() - started)
+            finally:
+                packing.FUSED_SIBLINGS = shipped
+    return {name: statistics.median(spent[1:]) * 1e3 for name, spent in times.items()}
 
 
 if __name__ == "__main__":
