@@ -24,6 +24,7 @@ from . import keys as keyring
 from .adapter import ModelAdapter
 from .drift import DriftMaps, place
 from .kvcache import KVBuffers
+from .matching import Match, match_document
 from .store.base import KVEntry, KVStore
 from .store.documents import Document, DocumentIndex
 
@@ -51,6 +52,12 @@ class PlannedChunk:
 class Plan:
     token_ids: torch.Tensor  # [N] long
     chunks: list[PlannedChunk] = field(default_factory=list)
+    document_tokens: int = 0  # the own tokens of the ingested documents found in the prompt's text
+
+    @property
+    def document_tokens_reused(self) -> int:
+        """Prompt tokens of those documents whose KV comes from the store (before any repair recomputes some)."""
+        return sum(len(c.token_ids) for c in self.chunks if c.is_document and c.source != COMPUTE)
 
     @property
     def num_tokens(self) -> int:
@@ -75,37 +82,49 @@ class TokenizedPrompt:
 
     chunks: list[tuple[tuple[int, ...], bool]]  # (token ids, is_document) in order, as `plan` takes them
     segments: list[str | Document]  # the prompt's text: fixed text and the documents used, in order
+    # A document piece cut at a seam: chunk index -> (the stored chunk's tokens, where the piece starts in them)
+    sources: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    matches: list[Match] = field(default_factory=list)  # every document found in the text, used or not
+    bos_added: int = 0  # BOS tokens put before the prompt's own (the matches' token indices start after them)
+
+    @property
+    def document_tokens(self) -> int:
+        """The own tokens of the documents found in the prompt's text."""
+        return sum(len(m.document.token_ids) for m in self.matches)
+
+
+# A document is looked for where a prompt token starts, or this many characters into one: the character
+# before it that a tokenizer fused with its first word ('>The', 'ĠThe', ':ĊThe').
+LEADING_SEAM_CHARS = 2
 
 
 def tokenize_prompt(prompt: str, index: DocumentIndex, tokenizer, max_chunk_tokens: int,
                     bos_ids: tuple[int, ...] = (), special_ids: frozenset[int] = frozenset()) -> TokenizedPrompt:
     """The prompt's chunks, its token ids exactly those the tokenizer gives for the whole prompt.
 
-    The prompt is tokenized once, whole. A document found in its text is used only where the prompt's
-    own tokens over that text are the document's tokens, starting and ending on token boundaries:
-    "cat" inside "concatenation", or a document glued to the word before it, stays plain text. So every
-    strategy, `full` included, sees the tokens a plain tokenizer call gives, and a stored chunk is
-    only ever placed over the very tokens it was computed for."""
+    The prompt is tokenized once, whole. A document found in its text is used over the runs of its own tokens
+    that the prompt's tokens reproduce, at the same characters (see matching.py): its seam tokens, fused with
+    the text around it, are computed as fixed text is, and "cat" inside "concatenation" stays text. So every
+    strategy, `full` included, sees the tokens a plain tokenizer call gives, and a stored chunk (or a piece of
+    one) is only ever placed over the very tokens it was computed for."""
     enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = tuple(enc["input_ids"]), enc["offset_mapping"]
-    # Characters -> token boundaries. A character split over several byte tokens gives them one span:
-    # its first token starts the span, its last ends it.
+    # Characters -> token starts. A character split over several byte tokens gives them one span: its first
+    # token starts it.
     token_at_start: dict[int, int] = {}
-    token_after_end: dict[int, int] = {}
+    look_at: set[int] = set()
     for i, (a, b) in enumerate(offsets):
         if b > a:
             token_at_start.setdefault(a, i)
-            token_after_end[b] = i + 1
-    docs: list[tuple[int, int, Document]] = []  # token [start, end) of each document used
+            look_at.update(range(a, min(b, a + 1 + LEADING_SEAM_CHARS)))
+    matches: list[Match] = []
     segments: list[str | Document] = []
     cursor = 0
-    for span in index.find(prompt, starts=token_at_start):  # a document is used only from a token's start
-        first, after = token_at_start.get(span.start), token_after_end.get(span.end)
-        if first is None or after is None or ids[first:after] != span.document.token_ids:
+    for span in index.find(prompt, starts=look_at):
+        found = match_document(span.document, span.start, ids, token_at_start, tokenizer)
+        matches.append(found)
+        if not found.runs:
             continue
-        if docs and first < docs[-1][1]:
-            continue
-        docs.append((first, after, span.document))
         if span.start > cursor:
             segments.append(prompt[cursor:span.start])
         segments.append(span.document)
@@ -117,13 +136,23 @@ def tokenize_prompt(prompt: str, index: DocumentIndex, tokenizer, max_chunk_toke
     if ids[:len(bos_ids)] != bos_ids:
         ids, shift = bos_ids + ids, len(bos_ids)
     chunks: list[tuple[tuple[int, ...], bool]] = []
+    sources: dict[int, tuple[tuple[int, ...], int]] = {}
     at = 0
-    for first, after, doc in docs:
-        chunks += _text_chunks(ids[at:first + shift], max_chunk_tokens, special_ids)
-        chunks += [(tokens, True) for tokens in doc.chunk_tokens()]
-        at = after + shift
+    for found in matches:
+        doc_ids = found.document.token_ids
+        for run in found.runs:
+            chunks += _text_chunks(ids[at:run.first + shift], max_chunk_tokens, special_ids)
+            lo, hi = run.doc_start, run.doc_start + run.length
+            for piece in found.document.chunks:
+                a, b = max(piece.start, lo), min(piece.end, hi)
+                if a >= b:
+                    continue
+                if (a, b) != (piece.start, piece.end):  # cut at a seam: found through the chunk it is part of
+                    sources[len(chunks)] = (doc_ids[piece.start:piece.end], a - piece.start)
+                chunks.append((doc_ids[a:b], True))
+            at = run.first + run.length + shift
     chunks += _text_chunks(ids[at:], max_chunk_tokens, special_ids)
-    return TokenizedPrompt(chunks, segments)
+    return TokenizedPrompt(chunks, segments, sources, matches, shift)
 
 
 def _text_chunks(ids: tuple[int, ...], max_chunk_tokens: int,
@@ -194,23 +223,41 @@ def segments_text(segments: list[str | Document]) -> str:
 
 
 def plan(chunks: list[tuple[tuple[int, ...], bool]], fingerprint: str, store: KVStore | None,
-         use_exact: bool, use_approx: bool) -> Plan:
+         use_exact: bool, use_approx: bool,
+         sources: dict[int, tuple[tuple[int, ...], int]] | None = None, document_tokens: int = 0) -> Plan:
+    """Where each chunk's KV comes from. `sources` (TokenizedPrompt.sources): a document piece cut at a seam is
+    looked up through the whole stored chunk it is part of, and served as that entry's slice."""
     keys = keyring.chain(fingerprint, [tokens for tokens, _ in chunks])
+    sources = sources or {}
     planned, position, exact_so_far = [], 0, True
-    for (tokens, is_doc), (pkey, ckey) in zip(chunks, keys, strict=True):
+    for i, ((tokens, is_doc), (pkey, ckey)) in enumerate(zip(chunks, keys, strict=True)):
         chunk = PlannedChunk(position, tokens, is_doc, pkey, ckey, exact_context=exact_so_far)
         entry = store.get(pkey) if (store is not None and use_exact and exact_so_far) else None
         if entry is not None and entry.token_ids == tokens and entry.start == position:
             chunk.source, chunk.entry = EXACT, entry
         elif store is not None and use_approx and is_doc:
-            entry = store.find_content(ckey)
-            if entry is not None and entry.token_ids == tokens:
+            entry = _stored_piece(store, fingerprint, tokens, ckey, sources.get(i))
+            if entry is not None:
                 chunk.source, chunk.entry = APPROX, entry
                 exact_so_far = False
         planned.append(chunk)
         position += len(tokens)
     ids = torch.tensor([t for tokens, _ in chunks for t in tokens], dtype=torch.long)
-    return Plan(ids, planned)
+    return Plan(ids, planned, document_tokens)
+
+
+def _stored_piece(store: KVStore, fingerprint: str, tokens: tuple[int, ...], content_key: bytes,
+                  source: tuple[tuple[int, ...], int] | None) -> KVEntry | None:
+    """The stored KV of a document chunk's `tokens` computed in another context: the entry of those tokens, or
+    the slice of the whole chunk's entry (`source`: its tokens, the piece's offset) for a piece cut at a seam."""
+    if source is None:
+        entry = store.find_content(content_key)
+        return entry if entry is not None and entry.token_ids == tokens else None
+    whole, offset = source
+    entry = store.find_content(keyring.content_key(fingerprint, whole))
+    if entry is None or entry.token_ids[offset:offset + len(tokens)] != tokens:
+        return None
+    return entry.slice(offset, len(tokens))
 
 
 def assemble(plan: Plan, adapter: ModelAdapter, capacity: int, drift: DriftMaps | None = None) -> KVBuffers:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import batching, drift, fidelity, ingestion, models
+from . import batching, drift, fidelity, ingestion, matching, models
 from . import calibrate as calibration
 from . import keys as keyring
 from .adapter import ModelAdapter
@@ -108,6 +108,15 @@ class Generation:
     fell_back: bool = False
     exact_from: int | None = None
     recompute_budget: float | None = None  # Prefill.recompute_budget: the served repair's budget (1.0: fell back)
+    # The own tokens of the ingested documents found in the prompt's text, and how many of them came from the
+    # store (seam tokens fused with the text around a document, and evicted chunks, are computed instead).
+    document_tokens: int = 0
+    document_tokens_reused: int = 0
+
+    @property
+    def document_reuse(self) -> float | None:
+        """The share of the found documents' tokens served from the store; None when no document was found."""
+        return self.document_tokens_reused / self.document_tokens if self.document_tokens else None
 
     @property
     def generated_tokens(self) -> int:
@@ -164,6 +173,7 @@ class KVBoost:
         self.predictor = calibration.saved(self, "fidelity")
         self.drift = calibration.saved(self, "drift")
         self._warned_small = False
+        self._warned_lost: set[str] = set()  # documents whose lost tokens were warned about
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -323,10 +333,27 @@ class KVBoost:
     def plan(self, prompt: str | Messages, strategy: str) -> Plan:
         """Where each of the prompt's chunks comes from, by what `strategy` (a registered name) reuses."""
         reuses = get_strategy(strategy)
-        chunks = self.tokenize(self.render(prompt)).chunks
-        if not chunks:
+        tokenized = self.tokenize(self.render(prompt))
+        if not tokenized.chunks:
             raise ValueError("empty prompt: give some text to answer")
-        return plan(chunks, self.fingerprint, self.store, reuses.reuse_exact, reuses.reuse_content)
+        self._warn_lost(tokenized)
+        return plan(tokenized.chunks, self.fingerprint, self.store, reuses.reuse_exact, reuses.reuse_content,
+                    tokenized.sources, tokenized.document_tokens)
+
+    def _warn_lost(self, tokenized: TokenizedPrompt) -> None:
+        """Once per document: it was found in a prompt's text, but more of its tokens than one seam token at each
+        edge could not be reused there (the request's figures count every lost token)."""
+        ids = tuple(t for tokens, _ in tokenized.chunks for t in tokens)[tokenized.bos_added:]
+        for found in tokenized.matches:
+            if found.lost <= 2 or found.document.doc_id in self._warned_lost:
+                continue
+            self._warned_lost.add(found.document.doc_id)
+            self.counters["documents_not_reused"] += 1
+            seam = matching.seam_text(found, ids, self.tokenizer)
+            warnings.warn(f"kvboost-rag: document {found.document.doc_id[:12]} ({found.document.text[:40]!r}...) is "
+                          f"in the prompt, but {found.lost} of its {len(found.document.token_ids)} tokens could not be "
+                          f"reused: the prompt's tokens there are not its own ({seam}). "
+                          "Those tokens are computed: the answer is unchanged, its first token later.", stacklevel=4)
 
     @torch.inference_mode()
     def prefill(self, prompt: str | Messages, strategy: str = "cacheblend", *, max_new_tokens: int = 0,
@@ -480,7 +507,8 @@ class KVBoost:
             ttft_ms=pre.ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,
             prompt_tokens=pre.prompt_tokens, reused_tokens=pre.reused_tokens, exact_tokens=pre.exact_tokens,
             recomputed_tokens=pre.recomputed_tokens, fidelity_estimate=risk if guard is None else guard.risk,
-            fell_back=pre.fell_back, exact_from=exact_from, recompute_budget=pre.recompute_budget)
+            fell_back=pre.fell_back, exact_from=exact_from, recompute_budget=pre.recompute_budget,
+            document_tokens=pre.plan.document_tokens, document_tokens_reused=pre.plan.document_tokens_reused)
         yield StreamPiece(tail, None, result)
 
     def generate(self, prompt: str | Messages, **kwargs) -> Generation:

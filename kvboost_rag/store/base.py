@@ -31,6 +31,14 @@ class KVEntry:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    def slice(self, offset: int, count: int) -> KVEntry:
+        """The entry of tokens [offset, offset + count): views of its K/V, keys still rotated for their positions."""
+        if offset == 0 and count == self.num_tokens:
+            return self
+        end = offset + count
+        return KVEntry(self.keys[:, :, offset:end], self.values[:, :, offset:end], self.token_ids[offset:end],
+                       self.start + offset, self.prefix_key, self.content_key)
+
     @property
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()

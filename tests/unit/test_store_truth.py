@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvboost_rag import EngineConfig, KVBoost, StoreConfig, ingestion
-from kvboost_rag.assembly import EXACT
+from kvboost_rag.assembly import APPROX, EXACT
+from kvboost_rag.keys import content_key
 from kvboost_rag.models import load
 
 
@@ -35,12 +36,18 @@ def test_a_document_on_token_boundaries_is_used_and_the_prompt_tokens_stay_exact
     assert sum(len(c.token_ids) for c in p.chunks if c.is_document) == sum(
         len(engine.document(d).token_ids) for d in docs)
     assert p.token_ids.tolist() == engine.tokenizer(rendered)["input_ids"]
-    # After a space, the document's first word takes the space into its token (" The", not "The"): the
-    # document's text is there but not its tokens, so it is not used.
+    # After a space, the document's first word takes the space into its token (" The", not "The"): that seam
+    # token is computed over the prompt's own token, and the rest of the document is reused (issue 39).
     glued = rendered.replace(docs[1], " " + docs[1])
     p = engine.plan(glued, "naive")
     assert p.token_ids.tolist() == engine.tokenizer(glued)["input_ids"]
-    assert sum(c.is_document for c in p.chunks) == len(docs) - 1
+    assert p.document_tokens_reused == p.document_tokens - 1
+    doc = engine.document(docs[1])
+    first = doc.chunks[0]
+    whole = engine.store.find_content(content_key(engine.fingerprint, doc.token_ids[first.start:first.end]))
+    cut = next(c for c in p.chunks if c.is_document and c.token_ids == doc.token_ids[1:first.end])
+    assert cut.source == APPROX and cut.entry.token_ids == cut.token_ids  # a slice of the stored first chunk
+    assert cut.entry.start == whole.start + 1 and torch.equal(cut.entry.values, whole.values[:, :, 1:])
 
 
 def test_an_index_with_another_documents_tokens_is_never_served(make_tiny_engine, docs, rag_prompt):
