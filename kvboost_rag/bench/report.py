@@ -15,6 +15,7 @@ COLUMNS = [  # (key, header, format)
     ("continuation_kl", "KL cont", "{:.4f}"),
     ("recompute_fraction", "recompute", "{:.3f}"),
     ("reuse_fraction", "reuse", "{:.3f}"),
+    ("document_reuse", "doc tokens reused", "{:.3f}"),
     ("prompt_tokens", "prompt tok", "{:.0f}"),
     ("total_ms", "total ms", "{:.0f}"),
     ("fidelity_estimate", "P(differs)", "{:.3f}"),

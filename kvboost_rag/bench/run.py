@@ -166,6 +166,8 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
             "reuse_fraction": sample.reused_tokens / sample.prompt_tokens,
             "prompt_tokens": sample.prompt_tokens,
         }
+        if sample.result.document_tokens:  # the found documents' tokens served from the store (issue 39's seams)
+            sample.metrics["document_reuse"] = sample.result.document_reuse
         if item.answers:
             sample.metrics["accuracy"] = correct(sample.text, item.answers)
 
@@ -180,7 +182,8 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
             "total_ms": statistics.median(r["total_ms"] for r in rows),
         }
         for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "recompute_fraction",
-                    "reuse_fraction", "prompt_tokens", "fidelity_estimate", "fell_back", "switched"):
+                    "reuse_fraction", "document_reuse", "prompt_tokens", "fidelity_estimate", "fell_back",
+                    "switched"):
             values = [r[key] for r in rows if key in r]
             entry[key] = statistics.fmean(values) if values else None
         summary[label] = entry
