@@ -85,7 +85,7 @@ class TokenizedPrompt:
     # A document piece cut at a seam: chunk index -> (the stored chunk's tokens, where the piece starts in them)
     sources: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     matches: list[Match] = field(default_factory=list)  # every document found in the text, used or not
-    bos_added: int = 0  # BOS tokens put before the prompt's own (the matches' token indices start after them)
+    prompt_ids: tuple[int, ...] = ()  # the tokenizer's tokens of the prompt text, which the matches' runs index
 
     @property
     def document_tokens(self) -> int:
@@ -152,7 +152,7 @@ def tokenize_prompt(prompt: str, index: DocumentIndex, tokenizer, max_chunk_toke
                 chunks.append((doc_ids[a:b], True))
             at = run.first + run.length + shift
     chunks += _text_chunks(ids[at:], max_chunk_tokens, special_ids)
-    return TokenizedPrompt(chunks, segments, sources, matches, shift)
+    return TokenizedPrompt(chunks, segments, sources, matches, ids[shift:])
 
 
 def _text_chunks(ids: tuple[int, ...], max_chunk_tokens: int,

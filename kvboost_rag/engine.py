@@ -114,11 +114,6 @@ class Generation:
     document_tokens_reused: int = 0
 
     @property
-    def document_reuse(self) -> float | None:
-        """The share of the found documents' tokens served from the store; None when no document was found."""
-        return self.document_tokens_reused / self.document_tokens if self.document_tokens else None
-
-    @property
     def generated_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -336,24 +331,9 @@ class KVBoost:
         tokenized = self.tokenize(self.render(prompt))
         if not tokenized.chunks:
             raise ValueError("empty prompt: give some text to answer")
-        self._warn_lost(tokenized)
+        matching.warn_lost(tokenized.matches, tokenized.prompt_ids, self.tokenizer, self._warned_lost)
         return plan(tokenized.chunks, self.fingerprint, self.store, reuses.reuse_exact, reuses.reuse_content,
                     tokenized.sources, tokenized.document_tokens)
-
-    def _warn_lost(self, tokenized: TokenizedPrompt) -> None:
-        """Once per document: it was found in a prompt's text, but more of its tokens than one seam token at each
-        edge could not be reused there (the request's figures count every lost token)."""
-        ids = tuple(t for tokens, _ in tokenized.chunks for t in tokens)[tokenized.bos_added:]
-        for found in tokenized.matches:
-            if found.lost <= 2 or found.document.doc_id in self._warned_lost:
-                continue
-            self._warned_lost.add(found.document.doc_id)
-            self.counters["documents_not_reused"] += 1
-            seam = matching.seam_text(found, ids, self.tokenizer)
-            warnings.warn(f"kvboost-rag: document {found.document.doc_id[:12]} ({found.document.text[:40]!r}...) is "
-                          f"in the prompt, but {found.lost} of its {len(found.document.token_ids)} tokens could not be "
-                          f"reused: the prompt's tokens there are not its own ({seam}). "
-                          "Those tokens are computed: the answer is unchanged, its first token later.", stacklevel=4)
 
     @torch.inference_mode()
     def prefill(self, prompt: str | Messages, strategy: str = "cacheblend", *, max_new_tokens: int = 0,

@@ -15,6 +15,7 @@ computed for that very token, at that place in the same document.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -109,3 +110,18 @@ def seam_text(match: Match, ids: tuple[int, ...], tokenizer, width: int = 2) -> 
         prompt_side, doc_side = ids[end - 1:end + width], doc_ids[doc_end - 1:doc_end + width]
     return (f"prompt {tokenizer.convert_ids_to_tokens(list(prompt_side))} / "
             f"document {tokenizer.convert_ids_to_tokens(list(doc_side))}")
+
+
+def warn_lost(matches: list[Match], ids: tuple[int, ...], tokenizer, warned: set[str]) -> None:
+    """Once per document (its id kept in `warned`): it was found in a prompt's text, but more of its tokens than
+    one seam token at each edge could not be reused there (the request's figures count every lost token).
+    `ids`: the prompt's own tokens, which the matches' runs index."""
+    for found in matches:
+        if found.lost <= 2 or found.document.doc_id in warned:
+            continue
+        warned.add(found.document.doc_id)
+        doc = found.document
+        warnings.warn(f"kvboost-rag: document {doc.doc_id[:12]} ({doc.text[:40]!r}...) is in the prompt, but "
+                      f"{found.lost} of its {len(doc.token_ids)} tokens could not be reused: the prompt's tokens there "
+                      f"are not its own ({seam_text(found, ids, tokenizer)}). Those tokens are computed: the answer is "
+                      "unchanged, its first token later.", stacklevel=5)

@@ -32,7 +32,7 @@ from kvboost_rag.bench.data import bundled, load_items
 from kvboost_rag.models import LoadedModel, convert_bundled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.unit.test_seams import CACHE, INST_TEMPLATE, LAYOUTS  # noqa: E402 - the layouts the tests check
+from tests.unit.test_seams import CACHE, CHECKED, INST_TEMPLATE  # noqa: E402 - the layouts the tests check
 
 BEFORE = "dcabe86"  # the last commit before issue 39's matching
 SETS = {"synthetic 300-315": (bundled("synthetic_k8.jsonl"), 300), "multidoc_other": (
@@ -74,17 +74,17 @@ def tiny_engine(family: str, tokenizer) -> KVBoost:
 
 def reuse_table(items_per_set: int) -> list[str]:
     legacy = legacy_tokenize()
-    lines = ["| tokenizer | set | " + " | ".join(LAYOUTS) + " |", "|---|---|" + "---|" * len(LAYOUTS)]
+    lines = ["| tokenizer | set | " + " | ".join(CHECKED) + " |", "|---|---|" + "---|" * len(CHECKED)]
     for family, tokenizer in tokenizers().items():
         engine = tiny_engine(family, tokenizer)
         for set_name, (path, skip) in SETS.items():
             items = load_items(path)[skip:skip + items_per_set]
             cells = []
-            for layout in LAYOUTS.values():
+            for layout in CHECKED.values():
                 reused = found = before = 0
                 for item in items:
                     engine.ingest(list(item.documents), progress=False)
-                    rendered = engine.render(layout(list(item.documents)))
+                    rendered = engine.render(layout(list(item.documents), item.question))
                     p = engine.plan(rendered, "naive")
                     reused, found = reused + p.document_tokens_reused, found + p.document_tokens
                     old = legacy(rendered, engine.documents, engine.tokenizer, engine.config.chunking.max_chunk_tokens,
@@ -107,7 +107,7 @@ def cost(items_per_set: int, dtype: str, rounds: int = 5) -> list[str]:
         ttft, old_ms, new_ms, sizes = [], [], [], []
         for item in items:
             engine.ingest(list(item.documents), progress=False)
-            rendered = engine.render(LAYOUTS[name](list(item.documents)))
+            rendered = engine.render(CHECKED[name](list(item.documents), item.question))
             engine.prefill(rendered, "naive", write_back=False)  # warm-up
             for _ in range(rounds):
                 start = time.perf_counter()

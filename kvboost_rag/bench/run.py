@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from ..config import RepairConfig
 from ..engine import Generation, KVBoost
 from ..generation import SamplingParams
-from ..prompts import rag_messages
+from ..prompts import layout as prompt_layout
 from ..repair import names as strategy_names
 from .data import BenchItem
 
@@ -78,9 +78,10 @@ def parse_strategies(text: str, base: RepairConfig) -> list[StrategySpec]:
     return sorted(specs, key=lambda s: s.label != FULL)
 
 
-def render_prompt(item: BenchItem) -> list[dict]:
-    """The model's chat template: the system text, then the documents in order, then the question."""
-    return rag_messages(item.documents, item.question, item.system)
+def render_prompt(item: BenchItem, layout: str = "bench") -> list[dict]:
+    """The item's chat messages in a prompt layout (prompts.LAYOUTS; `bench`: the system text, then the documents
+    in order, then the question)."""
+    return prompt_layout(layout)(list(item.documents), item.question, item.system)
 
 
 def kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -114,8 +115,8 @@ def floor_label(floor: KVBoost) -> str:
 
 
 def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_new_tokens: int,
-             rotate: int, floor: KVBoost | None = None) -> dict[str, Sample]:
-    prompt = render_prompt(item)
+             rotate: int, floor: KVBoost | None = None, layout: str = "bench") -> dict[str, Sample]:
+    prompt = render_prompt(item, layout)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     order = specs[rotate % len(specs):] + specs[:rotate % len(specs)]
     samples: dict[str, Sample] = {}
@@ -167,7 +168,7 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
             "prompt_tokens": sample.prompt_tokens,
         }
         if sample.result.document_tokens:  # the found documents' tokens served from the store (issue 39's seams)
-            sample.metrics["document_reuse"] = sample.result.document_reuse
+            sample.metrics["document_reuse"] = sample.result.document_tokens_reused / sample.result.document_tokens
         if item.answers:
             sample.metrics["accuracy"] = correct(sample.text, item.answers)
 
@@ -190,17 +191,17 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
     return summary
 
 
-def read_stored(engine: KVBoost, items: list[BenchItem]) -> None:
+def read_stored(engine: KVBoost, items: list[BenchItem], layout: str = "bench") -> None:
     """Read every item's stored documents once, untimed. A document stored by an earlier run is read from disk on
     first use, inside whichever strategy's TTFT comes first; a server that has served it holds it in memory."""
     for item in items:
-        engine.plan(render_prompt(item), "naive")
+        engine.plan(render_prompt(item, layout), "naive")
 
 
-def store_shared_prefix(engine: KVBoost, item: BenchItem) -> None:
+def store_shared_prefix(engine: KVBoost, item: BenchItem, layout: str = "bench") -> None:
     """Classic prefix caching keeps the prompt's text before its first document (the template's opening and the
     system text, shared by every request): store it once, as a server would have."""
-    rendered = engine.render(render_prompt(item))
+    rendered = engine.render(render_prompt(item, layout))
     first_doc = min((rendered.find(d.strip()) for d in item.documents if d.strip() in rendered), default=-1)
     if first_doc > 0:
         engine.prefill(rendered[:first_doc], "prefix")
@@ -208,20 +209,20 @@ def store_shared_prefix(engine: KVBoost, item: BenchItem) -> None:
 
 def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec], *, max_new_tokens: int = 16,
               agree_tokens: int = 16, progress: bool = True, drift_prompts: int = 0,
-              floor: KVBoost | None = None) -> dict:
+              floor: KVBoost | None = None, layout: str = "bench") -> dict:
     """Ingest every document (untimed), fit drift maps on them when asked, warm up, then measure; returns
     the JSON-ready report. With `floor` (the model in another dtype), its full prefill is one more row."""
     started = time.perf_counter()
     engine.ingest([d for item in items for d in item.documents], progress=progress)
     if drift_prompts > 0:
         engine.fit_drift(prompts=drift_prompts)
-    read_stored(engine, items)
+    read_stored(engine, items, layout)
     for item in items[:1]:
-        store_shared_prefix(engine, item)
-        run_item(engine, item, specs, max_new_tokens, 0, floor)  # warm-up, discarded
+        store_shared_prefix(engine, item, layout)
+        run_item(engine, item, specs, max_new_tokens, 0, floor, layout)  # warm-up, discarded
     per_item = []
     for i, item in enumerate(tqdm(items, desc="bench", unit="item", disable=not progress)):
-        samples = run_item(engine, item, specs, max_new_tokens, i, floor)
+        samples = run_item(engine, item, specs, max_new_tokens, i, floor, layout)
         score(samples, item, agree_tokens)
         per_item.append({label: s.metrics for label, s in samples.items()} | {"id": item.id})
     labels = [s.label for s in specs] + ([floor_label(floor)] if floor is not None else [])
@@ -233,6 +234,7 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
         "items": len(items),
         "max_new_tokens": max_new_tokens,
         "agree_tokens": agree_tokens,
+        "layout": layout,
         "drift_prompts": engine.drift.prompts if engine.drift is not None else 0,  # 0: stored K/V as they are
         "seconds": round(time.perf_counter() - started, 1),
         "strategies": summarize([{k: v for k, v in r.items() if k != "id"} for r in per_item], labels),

@@ -11,6 +11,7 @@ from ..bench.data import load_items
 from ..bench.report import plot, table
 from ..bench.run import StrategySpec, parse_strategies, run_bench
 from ..config import DTYPE_NAMES, ConfigError, EngineConfig, StoreConfig
+from ..prompts import LAYOUTS
 from .common import add_engine_options, count, engine_config, make_engine, sampling_params
 
 
@@ -24,6 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--skip", type=count(0), default=0, help="skip the first N items (a tuning slice, say)")
     # 32: the bundled model often restates the question before the answer; 16 cuts answers off.
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--layout", default="bench", choices=tuple(LAYOUTS),
+                   help="how the prompt lays out the documents: the bench's, LangChain's, LlamaIndex's, in tags")
     p.add_argument("--fit-drift", type=count(0), default=0, metavar="PROMPTS",
                    help="fit drift maps on this many prompts of the ingested documents before measuring "
                         "(untimed; with --store they are saved there and found by later runs); 0 = no")
@@ -59,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
         floor = make_engine(args, dataclasses.replace(config, dtype=floor_dtype, calibrate=False,
                                                       store=StoreConfig()))
     report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens, drift_prompts=args.fit_drift,
-                       floor=floor)
+                       floor=floor, layout=args.layout)
     report["command_args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
     print(table(report))
     if args.json:

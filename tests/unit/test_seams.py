@@ -4,10 +4,10 @@ Byte-level BPE (Llama 3.x, SmolLM3, Qwen2.5/3) fuses a document's closing '.', '
 line after it ('.ĊĊ') and its first word with a character before it ('>The', 'ĠThe'); Gemma 3 fuses '.' with a
 closing tag ('.</'); SentencePiece (Llama 2, and so Mistral and Phi-3, whose tokenizers are built the same way)
 gives a document tokenized alone a leading '▁'. Each family's real tokenizer (fetched at set-up by
-scripts/fetch_tokenizers, never vendored) is paired with a tiny random Llama of its vocabulary size. On four
-prompt layouts (the bench's, LangChain's usual RAG prompt in two forms, LlamaIndex's default text_qa_template,
-documents in tags): >= 95% of the documents' tokens are reused, every strategy sees the tokenizer's own tokens,
-and the truths hold on prompts with fused seams.
+scripts/fetch_tokenizers, never vendored) is paired with a tiny random Llama of its vocabulary size. On six
+prompt layouts (the bench's, LangChain's usual RAG prompt in two forms, LlamaIndex's default text_qa_template in
+its chat and completion forms, documents in tags): >= 95% of the documents' tokens are reused, every strategy
+sees the tokenizer's own tokens, and the truths hold on prompts with fused seams.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag.assembly import APPROX, EXACT, assemble
 from kvboost_rag.models import LoadedModel
-from kvboost_rag.prompts import rag_messages
+from kvboost_rag.prompts import LAYOUTS
 from kvboost_rag.tokens import bos_ids
 
 CACHE = Path(os.environ.get("KVBOOST_CACHE", Path.home() / ".cache" / "kvboost-rag")) / "tokenizers"
@@ -66,37 +66,28 @@ QUESTION = "In which year did the glassworks close?"
 
 
 def _bench(docs: list[str]) -> list[dict]:
-    return rag_messages(docs, QUESTION)
+    return LAYOUTS["bench"](docs, QUESTION)
 
 
-def _langchain(docs: list[str]) -> list[dict]:
-    """LangChain's usual RAG prompt: a stuff chain's context after 'Context:', documents joined by blank lines."""
-    context = "\n\n".join(docs)
-    return [{"role": "system", "content": "You are an assistant for question-answering tasks. Use the following "
-                                          f"pieces of retrieved context to answer the question.\n\nContext:\n{context}"},
-            {"role": "user", "content": QUESTION}]
+def _tags(docs: list[str]) -> list[dict]:
+    return LAYOUTS["tags"](docs, QUESTION)
 
 
-def _langchain_hub(docs: list[str]) -> list[dict]:
+def _langchain_hub(docs: list[str], question: str) -> list[dict]:
     """The hub's rlm/rag-prompt form: the context after 'Context: ', on the same line (a leading seam)."""
     context = "\n\n".join(docs)
     return [{"role": "user", "content": "You are an assistant for question-answering tasks. Use the following "
                                         "pieces of retrieved context to answer the question.\n"
-                                        f"Question: {QUESTION} \nContext: {context} \nAnswer:"}]
+                                        f"Question: {question} \nContext: {context} \nAnswer:"}]
 
 
-def _llamaindex(docs: list[str]) -> list[dict]:
-    """LlamaIndex's default text_qa_template, its nodes joined by blank lines."""
-    text = DEFAULT_TEXT_QA_PROMPT_TMPL.format(context_str="\n\n".join(docs), query_str=QUESTION)
-    return [{"role": "user", "content": text}]
+def _llamaindex_completion(docs: list[str], question: str) -> list[dict]:
+    """LlamaIndex's default (completion) text_qa_template, its nodes joined by blank lines."""
+    return [{"role": "user", "content": DEFAULT_TEXT_QA_PROMPT_TMPL.format(context_str="\n\n".join(docs),
+                                                                            query_str=question)}]
 
 
-def _tags(docs: list[str]) -> list[dict]:
-    return rag_messages([f"<doc>{d}</doc>" for d in docs], QUESTION)
-
-
-LAYOUTS = {"bench": _bench, "langchain": _langchain, "langchain_hub": _langchain_hub, "llamaindex": _llamaindex,
-           "tags": _tags}
+CHECKED = {**LAYOUTS, "langchain_hub": _langchain_hub, "llamaindex_completion": _llamaindex_completion}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -146,8 +137,8 @@ def test_documents_are_reused_whole_but_their_seams_on_every_layout(family_token
     family, tokenizer = family_tokenizer
     order = DOCS[3:] + DOCS[:3]
     fused = 0
-    for name, layout in LAYOUTS.items():
-        rendered = engine.render(layout(order))
+    for name, layout in CHECKED.items():
+        rendered = engine.render(layout(order, QUESTION))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             p = engine.plan(rendered, "naive")
