@@ -131,8 +131,12 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=12, help="items per set")
     parser.add_argument("--out", default=None, help="write the tables (Markdown) here")
     args = parser.parse_args()
-    out = ["Document tokens reused: now (before issue 39)", "", *reuse_table(args.items), "",
-           "What seam handling costs, bundled model, synthetic items 300+", ""]
+    out = ["# Seams (issue 39): document tokens reused on each family's tokenizer, and the cost", "",
+           f"`.venv/bin/python research/seams.py --items {args.items} --out docs/seams.md`. Share of the found "
+           "documents' tokens served from the store, now (and under the rule before issue 39: a document used only "
+           "where the prompt's tokens over it were exactly its own).", "", *reuse_table(args.items), "",
+           "What seam handling costs: tokenizing the prompt with today's rule and the previous one, interleaved "
+           "with naive prefills on the bundled model, synthetic items 300+, medians.", ""]
     for dtype in ("float32", "bfloat16"):
         out += cost(args.items, dtype) + [""]
     if args.out:

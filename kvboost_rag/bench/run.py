@@ -34,6 +34,9 @@ from ..repair import names as strategy_names
 from .data import BenchItem
 
 FULL = "full"
+# The order floor: a full prefill of the same documents in reverse order, scored against full as a strategy is.
+# A retriever's order is arbitrary, so users already accept answers that differ this often (issue 41).
+ORDER_FLOOR = "full (documents reversed)"
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,8 @@ def floor_label(floor: KVBoost) -> str:
 
 
 def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_new_tokens: int,
-             rotate: int, floor: KVBoost | None = None, layout: str = "bench") -> dict[str, Sample]:
+             rotate: int, floor: KVBoost | None = None, layout: str = "bench",
+             order_floor: bool = False) -> dict[str, Sample]:
     prompt = render_prompt(item, layout)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     order = specs[rotate % len(specs):] + specs[:rotate % len(specs)]
@@ -134,6 +138,13 @@ def run_item(engine: KVBoost, item: BenchItem, specs: list[StrategySpec], max_ne
         samples[floor_label(floor)] = Sample(pre.ttft_ms, result.text, result.token_ids, pre.prompt_tokens,
                                              pre.recomputed_tokens, pre.reused_tokens, pre.logits[None].float(), result)
         prefills[floor_label(floor)] = (floor, pre)
+    if order_floor and len(item.documents) > 1:  # untimed too: what another retrieval order gives
+        reordered = dataclasses.replace(item, documents=item.documents[::-1])
+        pre = engine.prefill(render_prompt(reordered, layout), FULL, max_new_tokens=max_new_tokens, write_back=False)
+        result = list(engine.stream_from(pre, params))[-1].result
+        samples[ORDER_FLOOR] = Sample(pre.ttft_ms, result.text, result.token_ids, pre.prompt_tokens,
+                                      pre.recomputed_tokens, pre.reused_tokens, pre.logits[None], result)
+        prefills[ORDER_FLOOR] = (engine, pre)
     # Quality: every strategy's cache scored on full's greedy continuation (teacher forcing).
     for label, sample in samples.items():
         runner, pre = prefills[label]
@@ -176,7 +187,7 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
 def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, dict]:
     summary = {}
     for label in labels:
-        rows = [item[label] for item in per_item]
+        rows = [item[label] for item in per_item if label in item]  # the order floor needs two documents
         entry = {
             "ttft_ms": statistics.median(r["ttft_ms"] for r in rows),
             "speedup": statistics.median(r["speedup"] for r in rows),
@@ -209,9 +220,10 @@ def store_shared_prefix(engine: KVBoost, item: BenchItem, layout: str = "bench")
 
 def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec], *, max_new_tokens: int = 16,
               agree_tokens: int = 16, progress: bool = True, drift_prompts: int = 0,
-              floor: KVBoost | None = None, layout: str = "bench") -> dict:
+              floor: KVBoost | None = None, layout: str = "bench", order_floor: bool = False) -> dict:
     """Ingest every document (untimed), fit drift maps on them when asked, warm up, then measure; returns
-    the JSON-ready report. With `floor` (the model in another dtype), its full prefill is one more row."""
+    the JSON-ready report. With `floor` (the model in another dtype), its full prefill is one more row (the dtype
+    floor); with `order_floor`, a full prefill of the documents in reverse order is another."""
     started = time.perf_counter()
     engine.ingest([d for item in items for d in item.documents], progress=progress)
     if drift_prompts > 0:
@@ -219,13 +231,14 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
     read_stored(engine, items, layout)
     for item in items[:1]:
         store_shared_prefix(engine, item, layout)
-        run_item(engine, item, specs, max_new_tokens, 0, floor, layout)  # warm-up, discarded
+        run_item(engine, item, specs, max_new_tokens, 0, floor, layout, order_floor)  # warm-up, discarded
     per_item = []
     for i, item in enumerate(tqdm(items, desc="bench", unit="item", disable=not progress)):
-        samples = run_item(engine, item, specs, max_new_tokens, i, floor, layout)
+        samples = run_item(engine, item, specs, max_new_tokens, i, floor, layout, order_floor)
         score(samples, item, agree_tokens)
         per_item.append({label: s.metrics for label, s in samples.items()} | {"id": item.id})
     labels = [s.label for s in specs] + ([floor_label(floor)] if floor is not None else [])
+    labels += [ORDER_FLOOR] if order_floor and any(ORDER_FLOOR in r for r in per_item) else []
     return {
         "model": engine.model_id,
         "dtype": engine.config.dtype,

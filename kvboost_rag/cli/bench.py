@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--noise-floor", default="auto", choices=("auto", "none", *DTYPE_NAMES),
                    help="one more row: a full prefill of the same model in this dtype, scored as the strategies "
                         "are (auto: bfloat16 for a float32 bench, else float32; none: no such row)")
+    p.add_argument("--order-floor", default="on", choices=("on", "off"),
+                   help="one more row: a full prefill of the same documents in reverse order, scored as the "
+                        "strategies are (the order floor: how often another retrieval order changes the answer)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--plot", type=Path, default=None, help="PNG: speed-up vs continuation KL and accuracy")
     add_engine_options(p)
@@ -62,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         floor = make_engine(args, dataclasses.replace(config, dtype=floor_dtype, calibrate=False,
                                                       store=StoreConfig()))
     report = run_bench(engine, items, specs, max_new_tokens=args.max_new_tokens, drift_prompts=args.fit_drift,
-                       floor=floor, layout=args.layout)
+                       floor=floor, layout=args.layout, order_floor=args.order_floor == "on")
     report["command_args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
     print(table(report))
     if args.json:

@@ -84,3 +84,20 @@ def test_the_bench_scores_a_noise_floor_row_as_it_scores_the_strategies(make_tin
     # Another dtype, the same weights: near full, but not full itself; no reuse at all.
     assert 0 < rows["full (bfloat16)"]["first_token_kl"] < 0.05
     assert rows["full (bfloat16)"]["reuse_fraction"] == 0
+
+
+def test_the_bench_scores_an_order_floor_row_on_the_documents_reversed(make_tiny_engine, docs):
+    from kvboost_rag.bench.data import BenchItem
+    from kvboost_rag.bench.run import ORDER_FLOOR, parse_strategies, run_bench
+
+    engine = make_tiny_engine()
+    items = [BenchItem(f"item{i}", tuple(docs[i:] + docs[:i]), "Who founded the brewing company?") for i in range(2)]
+    items.append(BenchItem("alone", (docs[0],), "Who founded the brewing company?"))  # one document: no other order
+    report = run_bench(engine, items, parse_strategies("full,naive", engine.config.repair), max_new_tokens=4,
+                       progress=False, order_floor=True)
+    rows = report["strategies"]
+    assert list(rows) == ["full", "naive", ORDER_FLOOR]
+    assert [ORDER_FLOOR in r for r in report["per_item"]] == [True, True, False]
+    # A full prefill of other tokens (the same documents reversed): no reuse, and its first token's distribution is
+    # not full's (the comparison can see another order).
+    assert rows[ORDER_FLOOR]["reuse_fraction"] == 0 and rows[ORDER_FLOOR]["first_token_kl"] > 0
