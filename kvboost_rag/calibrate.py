@@ -17,7 +17,10 @@ Drives the engine through its public methods; the engine imports this module, no
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import random
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,12 +31,13 @@ from tqdm.auto import tqdm
 from . import drift, fidelity
 from .assembly import APPROX
 from .generation import SamplingParams
+from .prompts import layout as named_layout
 from .store.files import make_dir, write_atomic
 from .store.tiered import redis_tier
 
 MIN_DOCUMENTS = 8  # fewer documents than this make too few distinct prompts to fit on
 REFIT_GROWTH = 32  # a refit also needs this many new documents: 8 -> 16 changes the prompts drawn, not the fit
-PROMPTS = 8  # calibration prompts per fit: ~8 x 1.5k-token prompts, ~40 s fp32 on the bundled model
+PROMPTS = 12  # calibration prompts per fit: ~12 x 1.5k-token prompts, ~80 s fp32 on the bundled model
 PER_PROMPT = 8  # documents per calibration prompt: about what a retriever returns
 TOKENS = 16  # answer tokens per calibration prompt
 
@@ -154,24 +158,62 @@ def fit_drift(engine, texts: Sequence[str] | None = None, *, prompts: int = 24, 
     return maps
 
 
+def question_for(documents: Sequence[str], rng: random.Random) -> str:
+    """A question about one of `documents`, as users ask them: what the documents say of a name it holds (a
+    capitalised word not opening a sentence), else of the words opening one of its sentences. Calibration answers
+    then read the documents as real answers do, instead of continuing the last one."""
+    text = rng.choice(list(documents))
+    names = re.findall(r"(?<=[a-z,;] )[A-Z][\w-]+(?: [A-Z][\w-]+)*", text)
+    if names:
+        return f"What do the documents say about {rng.choice(names)}?"
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if len(s.split()) >= 4] or [text]
+    return f'What do the documents say about "{" ".join(rng.choice(sentences).split()[:4])}"?'
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationPrompt:
+    prompt: object  # chat messages or text: the documents in the order drawn, laid out with a question
+    reordered: object  # the same documents in reverse order: what the order floor answers
+
+
+def calibration_set(engine, texts: Sequence[str], count: int, per_prompt: int, seed: int = 0,
+                    layout: str | Callable | None = None) -> list[CalibrationPrompt]:
+    """`count` prompts of `per_prompt` of `texts`, each with a question about its documents, laid out as the
+    application lays them out: `layout` is a name in prompts.LAYOUTS (EngineConfig.calibration_layout by default)
+    or a callable (documents, question) -> prompt."""
+    name = layout if layout is not None else engine.config.calibration_layout
+    arrange = named_layout(name) if isinstance(name, str) else name
+    rng = random.Random(seed + 1)
+
+    def both_orders(group: list[str]) -> CalibrationPrompt:
+        question = question_for(group, rng)
+        return CalibrationPrompt(arrange(group, question), arrange(group[::-1], question))
+
+    return corpus_prompts(engine, texts, count, per_prompt, seed, both_orders)
+
+
 def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None = None,
-              per_prompt: int = PER_PROMPT, seed: int = 0, layout: Callable | None = None,
+              per_prompt: int = PER_PROMPT, seed: int = 0, layout: str | Callable | None = None,
               progress: bool | None = None) -> fidelity.Predictor:
-    """Fit the drift maps (when the engine's repair maps drift), then the fidelity guard's flip curve, on prompts
-    made of the corpus's documents laid out by `layout` (see fit_drift); the engine uses both from now on.
+    """Fit the drift maps (when the engine's repair maps drift), then the fidelity guard's flip curve and the two
+    floors its levels are held to, on prompts of the corpus's documents with questions, laid out by `layout` (see
+    calibration_set); the engine uses them from now on.
 
     The curves' samples: for each prompt, a full prefill's greedy answer (TOKENS tokens), and the default
-    strategy's cache teacher-forced on it, once per recompute budget the fidelity levels run at (see _flips)."""
+    strategy's cache teacher-forced on it, once per recompute budget the fidelity levels run at (see _flips). The
+    floors: how soon a full prefill of the same documents in reverse order (the order floor), and one in the
+    other dtype (the dtype floor), choose another token than that answer, teacher-forced (see floor_hazard)."""
     pool = list(texts) if texts is not None else engine.documents.texts()
     if len(pool) < MIN_DOCUMENTS:
         raise ValueError(f"calibration needs at least {MIN_DOCUMENTS} ingested documents, got {len(pool)}: "
                          "ingest more of the corpus first")
-    laid_out = corpus_prompts(engine, pool, prompts or PROMPTS, per_prompt, seed, layout)
+    drawn = calibration_set(engine, pool, prompts or PROMPTS, per_prompt, seed, layout)
+    laid_out = [c.prompt for c in drawn]
     # Pass 2 runs once per recompute budget the levels run at (balanced's first: the engine's own), a curve each.
     repair = engine.config.repair
     budgets = list(dict.fromkeys([repair.budget] + sorted(dataclasses.replace(repair, fidelity=level).budget
                                                           for level in fidelity.LEVELS)))
-    bar = tqdm(total=(1 + len(budgets)) * len(laid_out), desc="calibrating", unit="prompt",
+    bar = tqdm(total=(2 + len(budgets)) * len(laid_out), desc="calibrating", unit="prompt",
                disable=not progress if progress is not None else None)
     with engine.lock:
         # Pass 1, per prompt: one full prefill gives both the drift maps' truth (its K/V) and the greedy answer.
@@ -187,15 +229,51 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
             bar.update(1)
         if sums is not None and sums.prompts:
             engine.set_drift(drift.solve(sums))
+        floors = _floors(engine, drawn, answers, bar)
         # Pass 2, with the maps: the default strategy's cache, repaired at each budget, teacher-forced on each
         # full answer.
         curves = [fidelity.fit(*_flips(engine, laid_out, answers, budget, bar), documents=len(engine.documents),
                                budget=budget) for budget in budgets]
         bar.close()
-        predictor = curves[0].with_others(curves[1:])
+        predictor = dataclasses.replace(curves[0].with_others(curves[1:]), floors=floors)
         engine.set_predictor(predictor)
         engine.counters["calibrations"] += 1
     return predictor
+
+
+def _floors(engine, drawn: Sequence[CalibrationPrompt], answers: Sequence[list[int]], bar) -> fidelity.Floors:
+    """The two floors the levels are held to, from the same prompts and full answers: the step at which a full
+    prefill of the documents reversed, and one of the model in the other dtype, first choose another token
+    (teacher-forced on the answer, so every step is judged after the same tokens)."""
+    other = _other_dtype(engine.adapter.model)
+    order_steps, dtype_steps = [], []
+    for item, answer in zip(drawn, answers, strict=True):
+        if answer:
+            prompt_ids = engine.plan(item.prompt, "full").token_ids
+            reordered_ids = engine.plan(item.reordered, "full").token_ids
+            order_steps.append(_first_change(engine.adapter.model, reordered_ids, answer))
+            dtype_steps.append(_first_change(other, prompt_ids, answer))
+        bar.update(1)
+    del other
+    return fidelity.Floors(fidelity.floor_hazard(order_steps, TOKENS), fidelity.floor_hazard(dtype_steps, TOKENS),
+                           len(order_steps))
+
+
+def _other_dtype(model):
+    """The model in the dtype users compare ours with: bf16 for a float32 engine, float32 for the others."""
+    target = torch.bfloat16 if next(model.parameters()).dtype == torch.float32 else torch.float32
+    return copy.deepcopy(model).to(target)
+
+
+@torch.inference_mode()
+def _first_change(model, prompt_ids: torch.Tensor, answer: list[int]) -> int | None:
+    """The first step of `answer` at which `model`'s own forward over the prompt and the answer so far picks
+    another token (None: it picks every one), in one forward."""
+    device = next(model.parameters()).device
+    ids = torch.cat([prompt_ids, torch.tensor(answer[:-1], dtype=torch.long)]).to(device)
+    logits = model(input_ids=ids[None], use_cache=False).logits[0, prompt_ids.shape[0] - 1:]
+    changed = (logits.argmax(-1).cpu() != torch.tensor(answer)).nonzero()
+    return int(changed[0]) if changed.numel() else None
 
 
 def _flips(engine, prompts: Sequence, answers: Sequence[list[int]], budget: float, bar) -> tuple[list, list]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from pathlib import Path
 
+from .prompts import LAYOUTS
+
 DOC_CONTEXTS = ("none", "template", "passage")
 # The fidelity guard's named levels (fidelity.LEVELS, repeated so a config is checked without torch).
 FIDELITY_LEVELS = ("fast", "balanced", "strict")
@@ -240,6 +242,9 @@ class EngineConfig:
     # Ingestion fits the drift maps and the fidelity guard on the corpus by itself (calibrate.py); False: only
     # when KVBoost.calibrate is called (a benchmark of a method without them, a test of something else).
     calibrate: bool = True
+    # How calibration lays out its prompts (a name in prompts.LAYOUTS): as the application does, with a question,
+    # so that the guard is fitted on answers like the ones it watches. The integrations set their framework's.
+    calibration_layout: str = "bench"
     # Ingestion encodes documents side by side, this many (padded) tokens per forward at most: bf16 and large
     # fp32 matmuls run faster on thousands of rows than on one document's hundreds. Memory grows with it.
     ingest_batch_tokens: int = 4096
@@ -253,6 +258,9 @@ class EngineConfig:
         check_device(self.device)
         if not isinstance(self.calibrate, bool):
             raise ConfigError("calibrate", f"EngineConfig.calibrate must be True or False, got {self.calibrate!r}")
+        if self.calibration_layout not in LAYOUTS:
+            raise ConfigError("calibration_layout", f"unknown calibration_layout {self.calibration_layout!r}; use one "
+                                                    f"of {', '.join(LAYOUTS)}")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
         for name, kind in (("chunking", ChunkingConfig), ("repair", RepairConfig), ("store", StoreConfig)):

@@ -62,10 +62,10 @@ class Prefill:
     strategy: str
     started: float  # perf_counter at the call
     ttft_ms: float  # from the call to these logits, everything included
-    # The fidelity guard (fidelity.py): the risk the request may take (None: the cache is exact, nothing to
-    # guard; inf: "fast", measured but never acted on), the risk its first token took, and whether the prefill
-    # fell back to a full one because that first token could not be trusted.
-    target: float | None = None
+    # The fidelity guard (fidelity.py): the risk the request may take after t tokens (t -> float; None: the cache
+    # is exact, nothing to guard; inf: "fast", measured but never acted on), the risk its first token took, and
+    # whether the prefill fell back to a full one because that first token could not be trusted.
+    target: Callable[[int], float] | None = None
     risk: float = 0.0
     fell_back: bool = False
     curve: fidelity.Predictor | None = None  # the guard's flip curve, for this request's recompute budget
@@ -183,12 +183,13 @@ class KVBoost:
     # ---- ingestion -------------------------------------------------------------------------
 
     def ingest(self, texts: Sequence[str], *, pin: bool = False, progress: bool | None = None,
-               calibrate: bool | None = None) -> list[str]:
+               calibrate: bool | None = None, layout: str | None = None) -> list[str]:
         """Precompute and store the KV of each document; returns their ids. Idempotent.
 
         With `calibrate` (None: EngineConfig.calibrate, True by default), once the engine knows enough documents,
         and again whenever the corpus has doubled (by 32 documents at least), the drift maps and the fidelity
-        guard are fitted on it (see calibrate.py)."""
+        guard are fitted on it (see calibrate.py), on prompts laid out by `layout` (prompts.LAYOUTS; None:
+        EngineConfig.calibration_layout)."""
         calibrate = self.config.calibrate if calibrate is None else calibrate
         if isinstance(texts, str):
             raise TypeError("ingest takes a list of documents; wrap a single one: ingest([text])")
@@ -211,7 +212,7 @@ class KVBoost:
         bar.close()
         ids = [doc.doc_id for doc in docs]
         if calibrate and calibration.due(self):
-            self.calibrate(progress=progress)
+            self.calibrate(progress=progress, layout=layout)
         elif calibrate and self.predictor is None and not self._warned_small:
             self._warned_small = True
             warnings.warn(f"kvboost-rag: {len(self.documents)} documents are too few to calibrate on (it takes "
@@ -366,7 +367,7 @@ class KVBoost:
                 self._write_back(p, cache)
         risk = 0.0 if guard is None or fell_back else guard.risk
         return Prefill(p, cache, logits, n if fell_back else done.recomputed_tokens, strategy, started, ttft_ms,
-                       None if guard is None else guard.target, risk, fell_back,
+                       None if guard is None else guard.allowed, risk, fell_back,
                        None if guard is None else guard.predictor, budget)
 
     def _guard(self, settings: RepairConfig, p: Plan) -> fidelity.Guard | None:
@@ -375,9 +376,9 @@ class KVBoost:
         approximate = p.count(APPROX) > 0 or (self.config.store.kv_bits < 16 and p.count(EXACT) > 0)
         if not approximate:
             return None
-        target = fidelity.target_of(settings.fidelity)
-        curve = (self.predictor or fidelity.DEFAULT_PREDICTOR).at(settings.budget)  # fitted at this request's budget
-        return fidelity.Guard(curve, math.inf if target is None else target)
+        predictor = self.predictor or fidelity.DEFAULT_PREDICTOR
+        target = fidelity.target_for(settings.fidelity, predictor.floors)  # its level's floor, where measured
+        return fidelity.Guard(predictor.at(settings.budget), math.inf if target is None else target)
 
     @torch.inference_mode()
     def _exact_cache(self, token_ids: torch.Tensor, capacity: int) -> tuple[KVBuffers, torch.Tensor]:
@@ -457,7 +458,7 @@ class KVBoost:
         guard = None
         if pre.target is not None and not pre.fell_back:
             guard = fidelity.Guard(pre.curve, pre.target)  # prefill sets the target and its guard's curve together
-            guard.survive = 1.0 - pre.risk
+            guard.survive, guard.tokens = 1.0 - pre.risk, 1
         exact_from, risk = (0 if pre.fell_back else None), pre.risk
         # The lock is taken per step (by the batcher), never across a yield: async callers resume us from
         # other threads. While it decodes, the stream is counted so that a batch waits for its step.

@@ -20,8 +20,14 @@ far) and decodes from it from then on: the first token's check comes before it i
 unsure falls back to a full prefill (its TTFT is then a full prefill's plus the repair's); a later one costs
 total time, not TTFT.
 
-Levels name a target risk per request: "fast" (no guard), "balanced" (BALANCED), "strict" (STRICT), or a
-number in (0, 1). Without a calibration the model's DEFAULT curve serves, a conservative one.
+Levels are held to floors users already accept (issue 41), measured on the calibration prompts: "balanced" lets
+an answer differ from a full prefill's no more often than a full prefill of the same documents in another order
+does (the order floor), "strict" no more often than a full prefill in the other dtype (bf16 against float32: the
+dtype floor). A floor is a per-token hazard h (the chance the floor's answer first departs at a given token), so
+the allowed risk grows with the answer, 1 - (1 - h)^t after t tokens, as the floor's own does: a long answer is not
+moved to an exact cache just for being long. "fast" has no guard; a number in (0, 1) is a fixed risk per answer;
+without floors (no calibration yet) the levels fall back to BALANCED and STRICT per answer, and the model's
+DEFAULT curve serves, a conservative one.
 """
 
 from __future__ import annotations
@@ -56,6 +62,29 @@ def margin(logits: torch.Tensor) -> float:
 
 
 @dataclass(frozen=True)
+class Floors:
+    """Per-token hazards of the two floors (see the module's docstring), and the prompts they were measured on."""
+
+    order: float
+    dtype: float
+    prompts: int
+
+    def allowed(self, level: str, tokens: int) -> float:
+        """The risk `level` allows an answer of `tokens` tokens (1 for its first token)."""
+        hazard = self.order if level == "balanced" else self.dtype
+        return 1.0 - (1.0 - hazard) ** tokens
+
+
+def floor_hazard(first_changes: Sequence[int | None], tokens: int) -> float:
+    """The per-token hazard of a floor from the step at which each answer first changed (None: not within
+    `tokens`): changes over the tokens at risk (a geometric law's estimate), with half a change added so that a
+    floor that changed nothing on a few prompts still allows a little."""
+    changes = sum(step is not None for step in first_changes)
+    at_risk = sum(tokens if step is None else step + 1 for step in first_changes)
+    return (changes + 0.5) / (at_risk + 1.0)
+
+
+@dataclass(frozen=True)
 class Predictor:
     intercept: float
     slope: float
@@ -64,6 +93,7 @@ class Predictor:
     documents: int = 0  # the corpus's size when fitted (a corpus that doubles is fitted again)
     budget: float = 0.0  # the recompute budget its prompts were repaired at (0: the default curve, any budget)
     others: tuple[Predictor, ...] = ()  # the curves fitted at the other levels' budgets in the same pass
+    floors: Floors | None = None  # measured in the same pass; None: the levels' fixed targets serve
 
     def flip_chance(self, margin: float) -> float:
         z = self.intercept + self.slope * margin
@@ -77,29 +107,47 @@ class Predictor:
         return below[-1] if below else curves[0]
 
     def with_others(self, others: Sequence[Predictor]) -> Predictor:
-        return replace(self, others=tuple(replace(curve, others=()) for curve in others))
+        return replace(self, others=tuple(replace(curve, others=(), floors=None) for curve in others))
 
 
 DEFAULT_PREDICTOR = Predictor(*DEFAULT)
 
 
+def target_for(fidelity: str | float, floors: Floors | None):
+    """The risk a request may take after t tokens, t -> float: its level's floor where measured, else a fixed
+    risk per answer (target_of); None for "fast"."""
+    if fidelity in ("balanced", "strict") and floors is not None:
+        return lambda tokens: floors.allowed(fidelity, tokens)
+    fixed = target_of(fidelity)
+    return None if fixed is None else (lambda tokens: fixed)
+
+
 class Guard:
     """One request's running risk: `trusts(logits)` says whether the next token may come from the reused cache
-    (and counts its risk in), or must come from an exact one."""
+    (and counts its risk in), or must come from an exact one. `target`: the risk allowed after t tokens (t -> float,
+    see target_for), or a fixed one."""
 
-    def __init__(self, predictor: Predictor, target: float):
-        self.predictor, self.target = predictor, target
+    def __init__(self, predictor: Predictor, target):
+        self.predictor = predictor
+        self.allowed = target if callable(target) else (lambda tokens, fixed=target: fixed)
         self.survive = 1.0  # chance the answer so far equals a full prefill's
+        self.tokens = 0  # tokens trusted so far
 
     @property
     def risk(self) -> float:
         return 1.0 - self.survive
+
+    @property
+    def target(self) -> float:
+        """The risk allowed once the next token is trusted."""
+        return self.allowed(self.tokens + 1)
 
     def trusts(self, logits: torch.Tensor) -> bool:
         p = self.predictor.flip_chance(margin(logits))
         if 1.0 - self.survive * (1.0 - p) > self.target:
             return False
         self.survive *= 1.0 - p
+        self.tokens += 1
         return True
 
 
@@ -129,6 +177,10 @@ def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:
     calibrate.save keeps beside the engine's store (a file, a Redis value). One row per curve, the main one
     first: (budget, intercept, slope, tokens, flips)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "documents": str(predictor.documents)}
+    if predictor.floors is not None:  # older readers ignore these keys; this one reads them when present
+        floors = predictor.floors
+        meta |= {"order_floor": repr(floors.order), "dtype_floor": repr(floors.dtype),
+                 "floor_prompts": str(floors.prompts)}
     curves = torch.tensor([[c.budget, c.intercept, c.slope, c.tokens, c.flips]
                            for c in (predictor, *predictor.others)], dtype=torch.float64)
     return safetensors.torch.save({"curves": curves}, metadata=meta)
@@ -141,11 +193,14 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
         meta = safetensors_metadata(data)
         curves = safetensors.torch.load(bytes(data))["curves"]
         documents = int(meta.get("documents", 0))
+        floors = (Floors(float(meta["order_floor"]), float(meta["dtype_floor"]), int(meta["floor_prompts"]))
+                  if "order_floor" in meta else None)
     except Exception:  # noqa: BLE001 - safetensors raises its own error type for every kind of damage
         return None
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION) or curves.ndim != 2
-            or curves.shape[0] < 1 or curves.shape[1] != 5 or not torch.isfinite(curves).all()):
+            or curves.shape[0] < 1 or curves.shape[1] != 5 or not torch.isfinite(curves).all()
+            or (floors is not None and not all(0.0 < h < 1.0 for h in (floors.order, floors.dtype)))):
         return None
     main, *others = (Predictor(float(row[1]), float(row[2]), int(row[3]), int(row[4]), documents, float(row[0]))
                      for row in curves)
-    return main.with_others(others)
+    return replace(main.with_others(others), floors=floors)

@@ -177,11 +177,13 @@ def stream_kwargs(llm: LLMFields, kwargs: Mapping[str, Any], owner: str) -> dict
 # ---- results ----------------------------------------------------------------------------------------
 
 
-def ingest(engine: KVBoost, texts: Sequence[str], *, pin: bool = False, progress: bool = True) -> list[str]:
+def ingest(engine: KVBoost, texts: Sequence[str], *, pin: bool = False, progress: bool = True,
+           layout: str | None = None) -> list[str]:
     """The doc id of each text once its KV is stored; "" for a text with nothing but whitespace (it can't
-    appear in a prompt, so nothing is stored). Idempotent: a text already stored costs a lookup."""
+    appear in a prompt, so nothing is stored). Idempotent: a text already stored costs a lookup. `layout`: how
+    the framework lays out its RAG prompts (prompts.LAYOUTS), for the calibration ingestion runs."""
     keep = [i for i, text in enumerate(texts) if text.strip()]
-    ids = engine.ingest([texts[i] for i in keep], pin=pin, progress=progress)
+    ids = engine.ingest([texts[i] for i in keep], pin=pin, progress=progress, layout=layout)
     out = [""] * len(texts)
     for i, doc_id in zip(keep, ids, strict=True):
         out[i] = doc_id

@@ -20,6 +20,7 @@ from ..config import (
 )
 from ..generation import SamplingParams
 from ..models import MODEL_HELP, resolve_device
+from ..prompts import LAYOUTS
 from ..repair import get_strategy, names
 
 # The flag each config field is set by, where it is not "--" + the field's name with dashes.
@@ -71,6 +72,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, repair: bool = True) 
     g.add_argument("--doc-context", default=ChunkingConfig.doc_context, choices=DOC_CONTEXTS,
                    help="what documents are encoded after at ingestion: nothing, the chat template's opening, "
                         "or that and a neutral passage (as a later document of a prompt)")
+    g.add_argument("--calibration-layout", default=EngineConfig.calibration_layout, choices=tuple(LAYOUTS),
+                   help="how the prompts ingestion calibrates on lay out the documents and a question: as your "
+                        "application does (the bench's, LangChain's, LlamaIndex's, in tags)")
     if repair:
         add_repair_options(parser)
 
@@ -124,6 +128,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             chunking=ChunkingConfig(max_chunk_tokens=args.max_chunk_tokens, doc_context=args.doc_context),
             repair=repair,
             store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
+            calibration_layout=getattr(args, "calibration_layout", EngineConfig.calibration_layout),
         )
         resolve_device(config.device)  # "cuda" on a machine without one is refused here, before anything is read
         return config

@@ -124,8 +124,11 @@ def test_bench_command_end_to_end(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
     report = json.loads(out.read_text())
     assert report["items"] == 3
-    # The noise floor (--noise-floor auto: a float32 bench gets a bf16 full prefill) is the last row.
-    assert list(report["strategies"]) == ["full", "prefix", "naive", "selective", "cacheblend", "full (bfloat16)"]
+    # The floors come last: the dtype floor (--noise-floor auto: a float32 bench gets a bf16 full prefill), then the
+    # order floor (--order-floor on: a full prefill of the documents reversed).
+    assert list(report["strategies"]) == ["full", "prefix", "naive", "selective", "cacheblend", "full (bfloat16)",
+                                          "full (documents reversed)"]
+    assert report["strategies"]["full (documents reversed)"]["reuse_fraction"] == 0
     for row in report["strategies"].values():
         assert set(row) >= {"ttft_ms", "speedup", "accuracy", "agreement", "first_token_kl", "continuation_kl",
                             "recompute_fraction", "reuse_fraction", "prompt_tokens"}

@@ -222,8 +222,8 @@ def test_calibrations_drift_maps_equal_a_fit_on_the_models_own_forward(calibrate
     maps are those drift.fit makes from the model's own forward over the same prompts."""
     import kvboost_rag.calibrate as calibration
 
-    prompts = calibration.corpus_prompts(calibrated, calibrated.documents.texts(), calibration.PROMPTS,
-                                         calibration.PER_PROMPT)
+    prompts = [c.prompt for c in calibration.calibration_set(calibrated, calibrated.documents.texts(),
+                                                             calibration.PROMPTS, calibration.PER_PROMPT)]
     reference = drift.fit(calibrated.adapter, calibration.drift_samples(calibrated, prompts), drift.PLACES)
     assert calibrated.drift.prompts == reference.prompts == len(prompts)
     assert torch.allclose(calibrated.drift.keys, reference.keys, atol=1e-4, rtol=1e-4)
@@ -245,3 +245,62 @@ def test_ask_prints_the_guards_figures(make_tiny_engine, tmp_path, monkeypatch, 
     budget = RepairConfig().budget
     assert "predicted chance the answer differs from a full prefill's" in out
     assert f"{budget:.0%} of the reused tokens repaired per layer" in out
+
+
+# ---- levels held to floors (issue 41, item 4) ------------------------------------------------------------------
+
+
+def test_a_floor_is_a_per_token_hazard_and_the_allowed_risk_grows_with_the_answer():
+    # 4 answers of 16 tokens: two changed (at steps 3 and 7), two never: 2 changes over 4 + 8 + 16 + 16 tokens.
+    hazard = fidelity.floor_hazard([3, 7, None, None], 16)
+    assert hazard == pytest.approx(2.5 / 45)
+    assert 0 < fidelity.floor_hazard([None] * 8, 16) < 0.01  # no change seen: a little allowed, not nothing
+    floors = fidelity.Floors(order=0.05, dtype=0.005, prompts=4)
+    assert floors.allowed("balanced", 1) == pytest.approx(0.05)
+    assert floors.allowed("balanced", 64) == pytest.approx(1 - 0.95 ** 64)
+    assert floors.allowed("strict", 64) < floors.allowed("balanced", 16)
+
+
+def test_a_guard_held_to_a_floor_keeps_a_long_sure_answer_that_a_fixed_target_would_move():
+    """Every token with a 1% chance of a flip: a fixed 15% per answer is spent by token 17, while the order floor
+    (5% a token) allows it all the way; a first token with a 30% chance is refused."""
+    curve = fidelity.Predictor(0.0, -1.0)
+    steady = torch.tensor([math.log(99.0), 0.0])  # margin log(99): flip chance 1%
+    floored = fidelity.Guard(curve, fidelity.target_for("balanced", fidelity.Floors(0.05, 0.005, 8)))
+    fixed = fidelity.Guard(curve, fidelity.target_for("balanced", None))
+    trusted = [fixed.trusts(steady) for _ in range(64)]
+    assert trusted.index(False) == 16  # the first refused: 1 - 0.99^17 > 0.15
+    assert all(floored.trusts(steady) for _ in range(64)) and floored.tokens == 64
+    fresh = fidelity.Guard(curve, fidelity.target_for("balanced", fidelity.Floors(0.05, 0.005, 8)))
+    assert not fresh.trusts(torch.tensor([math.log(0.7 / 0.3), 0.0]))  # a first token at 30%: over the floor's 5%
+    strict = fidelity.Guard(curve, fidelity.target_for("strict", fidelity.Floors(0.05, 0.005, 8)))
+    assert not strict.trusts(steady)  # 1% a token is above the dtype floor's 0.5%
+
+
+def test_calibration_measures_both_floors_on_questions_and_saves_them(calibrated, make_tiny_engine, tmp_path):
+    import kvboost_rag.calibrate as calibration
+
+    floors = calibrated.predictor.floors
+    assert floors is not None and floors.prompts == calibration.PROMPTS
+    assert 0 < floors.dtype < 1 and 0 < floors.order < 1
+    # The order floor reorders documents: on a tiny random model it changes answers far more than bf16 rounding.
+    assert floors.order > floors.dtype
+    again = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    assert again.predictor.floors == floors  # read back from the store's folder
+    drawn = calibration.calibration_set(calibrated, corpus(), 3, 4)
+    for item in drawn:  # each prompt asks a question, and its twin holds the same documents reversed
+        user, twin = item.prompt[-1]["content"], item.reordered[-1]["content"]
+        assert "Question: What do the documents say about" in user and user.split("Question")[1] == twin.split(
+            "Question")[1]
+        docs = sorted((d for d in corpus() if d in user), key=user.index)
+        assert len(docs) == 4 and sorted(docs, key=twin.index) == docs[::-1]
+
+
+def test_the_calibration_layout_is_checked_and_used(make_tiny_engine):
+    import kvboost_rag.calibrate as calibration
+
+    with pytest.raises(ConfigError, match="calibration_layout"):
+        EngineConfig(calibration_layout="wiki")
+    engine = make_tiny_engine(EngineConfig(calibration_layout="langchain"))
+    drawn = calibration.calibration_set(engine, corpus(), 2, 3)
+    assert all(item.prompt[0]["role"] == "system" and "Context:\n" in item.prompt[0]["content"] for item in drawn)

@@ -125,7 +125,8 @@ class ChatKVBoost(BaseChatModel):
         id is ""), since they can't appear in a prompt.
         """
         texts = [d.page_content if isinstance(d, Document) else d for d in documents]
-        return kvboost_llm.ingest(self.client, texts, pin=pin, progress=show_progress)
+        # Calibrated on LangChain's usual RAG prompt: the guard is fitted on prompts like the ones it will watch.
+        return kvboost_llm.ingest(self.client, texts, pin=pin, progress=show_progress, layout="langchain")
 
     # ---- LangChain plumbing ----------------------------------------------------------------
 

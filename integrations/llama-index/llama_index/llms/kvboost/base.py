@@ -127,7 +127,8 @@ class KVBoostLLM(CustomLLM):
         `llm.prewarm(list(index.docstore.docs.values()))`.
         """
         texts = [i if isinstance(i, str) else i.get_content(metadata_mode=MetadataMode.LLM) for i in items]
-        return kvboost_llm.ingest(self.client, texts, pin=pin, progress=show_progress)
+        # Calibrated on LlamaIndex's default text_qa_template: the guard is fitted on prompts like the ones it watches.
+        return kvboost_llm.ingest(self.client, texts, pin=pin, progress=show_progress, layout="llamaindex")
 
     # ---- requests --------------------------------------------------------------------------
 
