@@ -4,8 +4,10 @@ rebuild the bundled files byte for byte."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections import Counter
+from difflib import SequenceMatcher
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from kvboost_rag.bench.data import BenchItem, bundled, load_items, write_items
 
 # research/ is not installed; its scripts import their neighbours by file name, as they do when run.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "research" / "datasets"))
+import fidelity_holdout  # noqa: E402
 import pydoc_set  # noqa: E402
 import shipped  # noqa: E402
 import synthetic_set  # noqa: E402
@@ -170,3 +173,85 @@ def test_bundled_synthetic_files_are_what_the_generator_writes(name, tmp_path):
 
 def test_every_bundled_file_has_a_recipe():
     assert {p.stem for p in bundled("tiny").parent.glob("*.jsonl")} == set(shipped.SHIPPED)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Held-out fidelity set (research/data/fidelity_holdout.jsonl): nothing may be tuned on it
+
+
+HOLDOUT = Path(__file__).resolve().parents[2] / "research" / "data" / "fidelity_holdout.jsonl"
+
+
+@pytest.fixture(scope="module")
+def holdout():
+    # Regenerated with the bundled tokenizer, which sizes its documents (a few seconds).
+    return fidelity_holdout.items()
+
+
+def _look_alike(name: str, other: str) -> bool:
+    # One step apart: a shared first or last word (Larkspur Inn / Larkspur Lodge, Kelloch Moor / Kellach Moor)
+    # or a near-identical spelling (2K41 / 2K14, PQ-5333 / PQ-1333).
+    a, b = name.split(), other.split()
+    return name != other and (a[0] == b[0] or a[-1] == b[-1] or SequenceMatcher(None, name, other).ratio() >= 0.7)
+
+
+def test_holdout_file_is_what_the_generator_writes(holdout, tmp_path):
+    write_items([item for item, _ in holdout], tmp_path / "holdout.jsonl")
+    assert (tmp_path / "holdout.jsonl").read_bytes() == HOLDOUT.read_bytes()
+    assert len(load_items(HOLDOUT)) == fidelity_holdout.N_ITEMS == 96
+
+
+def test_holdout_answers_are_in_the_answer_document(holdout):
+    for item, meta in holdout:
+        assert 4 <= len(item["documents"]) <= 8
+        assert all(a.casefold() in item["documents"][item["answer_doc"]].casefold() for a in item["answers"])
+        assert meta["needs"][0] == item["answer_doc"]
+
+
+def test_holdout_has_look_alikes_with_other_values(holdout):
+    for item, meta in holdout:
+        target, answer = meta["target"], item["answers"][0].casefold()
+        alikes = [j for j, name in enumerate(meta["names"]) if name and _look_alike(target, name)]
+        assert alikes, item["id"]
+        for j in alikes:
+            # The same fact, another value, and neither value inside the other: a reply quoting the look-alike's
+            # value is not counted as right.
+            value, mine = meta["values"][j].casefold(), meta["values"][item["answer_doc"]].casefold()
+            assert value not in mine and mine not in value, (item["id"], j)
+            assert target.casefold() not in item["documents"][j].casefold()
+            if meta["qtype"] == "compare":
+                assert answer not in item["documents"][j].casefold()
+
+
+def test_holdout_two_document_questions_need_both(holdout):
+    qtypes = Counter(meta["qtype"] for _, meta in holdout)
+    assert qtypes["compare"] >= 16 and qtypes["bridge"] >= 16
+    for item, meta in holdout:
+        if meta["qtype"] == "single":
+            assert meta["needs"] == [item["answer_doc"]]
+            continue
+        answer_doc, other = meta["needs"]
+        assert answer_doc != other
+        if meta["qtype"] == "compare":
+            # Both records are named in the question; the answer is the winner's name.
+            partner = meta["names"][other]
+            assert item["answers"] == [meta["target"]] and partner.casefold() in item["question"].casefold()
+        else:
+            # The memo ties the question's nickname to the record; the question never names the record.
+            assert meta["names"][other] is None and meta["target"] in item["documents"][other]
+            assert meta["target"] not in item["question"]
+
+
+def test_holdout_names_are_not_the_other_sets_names():
+    fh = fidelity_holdout
+    here = Path(__file__).resolve().parents[2] / "research" / "datasets"
+    theirs = " ".join((here / f).read_text() for f in ("synthetic_set.py", "multidoc_other.py")).casefold()
+    ours = (*fh._STATIONS, *fh._INN_WORDS, *fh._STATION_WORDS, *fh._MAKERS, *fh._GAME_FIRST, *fh._GAME_SECOND)
+    assert not [n for n in ours if re.search(rf"\b{re.escape(n.casefold())}\b", theirs)]
+
+
+def test_holdout_document_edges_vary(holdout):
+    docs = [d for item, _ in holdout for d in item["documents"]]
+    assert {d[-1] for d in docs} >= {".", "!", "?", ":", '"', ")"}
+    assert {d[0] for d in docs} & set("0123456789") and {d[0] for d in docs} >= {'"', "-"}
+    assert {item["system"] for item, _ in holdout} == set(fidelity_holdout.SYSTEMS)
