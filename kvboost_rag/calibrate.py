@@ -201,8 +201,9 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
 
     The curves' samples: for each prompt, a full prefill's greedy answer (TOKENS tokens), and the default
     strategy's cache teacher-forced on it, once per recompute budget the fidelity levels run at (see _flips). The
-    floors: how soon a full prefill of the same documents in reverse order (the order floor), and one in the
-    other dtype (the dtype floor), choose another token than that answer, teacher-forced (see floor_hazard)."""
+    floors: where a full prefill of the same documents in reverse order (the order floor), and one in the other
+    dtype (the dtype floor), choose another token than that answer, teacher-forced: a curve each, on the same
+    margins (see fidelity.py)."""
     pool = list(texts) if texts is not None else engine.documents.texts()
     if len(pool) < MIN_DOCUMENTS:
         raise ValueError(f"calibration needs at least {MIN_DOCUMENTS} ingested documents, got {len(pool)}: "
@@ -229,34 +230,37 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
             bar.update(1)
         if sums is not None and sums.prompts:
             engine.set_drift(drift.solve(sums))
-        floors = _floors(engine, drawn, answers, bar)
+        order_flips, dtype_flips = _floor_flips(engine, drawn, answers, bar)
         # Pass 2, with the maps: the default strategy's cache, repaired at each budget, teacher-forced on each
-        # full answer.
-        curves = [fidelity.fit(*_flips(engine, laid_out, answers, budget, bar), documents=len(engine.documents),
-                               budget=budget) for budget in budgets]
+        # full answer; the floors' flips fitted against the same margins.
+        curves = []
+        for budget in budgets:
+            margins, flipped = _flips(engine, laid_out, answers, budget, bar)
+            floors = tuple(fidelity.fit(margins, flips, len(engine.documents), budget)
+                           for flips in (order_flips, dtype_flips))
+            curves.append(dataclasses.replace(fidelity.fit(margins, flipped, len(engine.documents), budget),
+                                              floors=floors))
         bar.close()
-        predictor = dataclasses.replace(curves[0].with_others(curves[1:]), floors=floors)
+        predictor = curves[0].with_others(curves[1:])
         engine.set_predictor(predictor)
         engine.counters["calibrations"] += 1
     return predictor
 
 
-def _floors(engine, drawn: Sequence[CalibrationPrompt], answers: Sequence[list[int]], bar) -> fidelity.Floors:
-    """The two floors the levels are held to, from the same prompts and full answers: the step at which a full
-    prefill of the documents reversed, and one of the model in the other dtype, first choose another token
-    (teacher-forced on the answer, so every step is judged after the same tokens)."""
+def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], answers: Sequence[list[int]],
+                 bar) -> tuple[list[bool], list[bool]]:
+    """The floors' flips at every step of every full answer, in _flips's order: whether a full prefill of the
+    documents reversed (the order floor), and one of the model in the other dtype (the dtype floor), choose
+    another token there (teacher-forced, so every step is judged after the same tokens)."""
     other = _other_dtype(engine.adapter.model)
-    order_steps, dtype_steps = [], []
+    order, dtype = [], []
     for item, answer in zip(drawn, answers, strict=True):
         if answer:
-            prompt_ids = engine.plan(item.prompt, "full").token_ids
-            reordered_ids = engine.plan(item.reordered, "full").token_ids
-            order_steps.append(_first_change(engine.adapter.model, reordered_ids, answer))
-            dtype_steps.append(_first_change(other, prompt_ids, answer))
+            order += _changes(engine.adapter.model, engine.plan(item.reordered, "full").token_ids, answer)
+            dtype += _changes(other, engine.plan(item.prompt, "full").token_ids, answer)
         bar.update(1)
     del other
-    return fidelity.Floors(fidelity.floor_hazard(order_steps, TOKENS), fidelity.floor_hazard(dtype_steps, TOKENS),
-                           len(order_steps))
+    return order, dtype
 
 
 def _other_dtype(model):
@@ -266,14 +270,13 @@ def _other_dtype(model):
 
 
 @torch.inference_mode()
-def _first_change(model, prompt_ids: torch.Tensor, answer: list[int]) -> int | None:
-    """The first step of `answer` at which `model`'s own forward over the prompt and the answer so far picks
-    another token (None: it picks every one), in one forward."""
+def _changes(model, prompt_ids: torch.Tensor, answer: list[int]) -> list[bool]:
+    """At each step of `answer`, whether `model`'s own forward over the prompt and the answer so far picks
+    another token; one forward."""
     device = next(model.parameters()).device
     ids = torch.cat([prompt_ids, torch.tensor(answer[:-1], dtype=torch.long)]).to(device)
     logits = model(input_ids=ids[None], use_cache=False).logits[0, prompt_ids.shape[0] - 1:]
-    changed = (logits.argmax(-1).cpu() != torch.tensor(answer)).nonzero()
-    return int(changed[0]) if changed.numel() else None
+    return (logits.argmax(-1).cpu() != torch.tensor(answer)).tolist()
 
 
 def _flips(engine, prompts: Sequence, answers: Sequence[list[int]], budget: float, bar) -> tuple[list, list]:

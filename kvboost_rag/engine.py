@@ -62,10 +62,10 @@ class Prefill:
     strategy: str
     started: float  # perf_counter at the call
     ttft_ms: float  # from the call to these logits, everything included
-    # The fidelity guard (fidelity.py): the risk the request may take after t tokens (t -> float; None: the cache
-    # is exact, nothing to guard; inf: "fast", measured but never acted on), the risk its first token took, and
-    # whether the prefill fell back to a full one because that first token could not be trusted.
-    target: Callable[[int], float] | None = None
+    # The fidelity guard (fidelity.py): what the request is held to (a risk per answer, or its level's floor
+    # curve; None: the cache is exact, nothing to guard; inf: "fast", measured but never acted on), the risk its
+    # first token took, and whether the prefill fell back to a full one because that first token was not trusted.
+    target: float | fidelity.Predictor | None = None
     risk: float = 0.0
     fell_back: bool = False
     curve: fidelity.Predictor | None = None  # the guard's flip curve, for this request's recompute budget
@@ -367,7 +367,7 @@ class KVBoost:
                 self._write_back(p, cache)
         risk = 0.0 if guard is None or fell_back else guard.risk
         return Prefill(p, cache, logits, n if fell_back else done.recomputed_tokens, strategy, started, ttft_ms,
-                       None if guard is None else guard.allowed, risk, fell_back,
+                       None if guard is None else guard.target, risk, fell_back,
                        None if guard is None else guard.predictor, budget)
 
     def _guard(self, settings: RepairConfig, p: Plan) -> fidelity.Guard | None:
@@ -376,9 +376,9 @@ class KVBoost:
         approximate = p.count(APPROX) > 0 or (self.config.store.kv_bits < 16 and p.count(EXACT) > 0)
         if not approximate:
             return None
-        predictor = self.predictor or fidelity.DEFAULT_PREDICTOR
-        target = fidelity.target_for(settings.fidelity, predictor.floors)  # its level's floor, where measured
-        return fidelity.Guard(predictor.at(settings.budget), math.inf if target is None else target)
+        curve = (self.predictor or fidelity.DEFAULT_PREDICTOR).at(settings.budget)  # fitted at this request's budget
+        target = fidelity.target_for(settings.fidelity, curve)  # its level's floor, where calibrated
+        return fidelity.Guard(curve, math.inf if target is None else target)
 
     @torch.inference_mode()
     def _exact_cache(self, token_ids: torch.Tensor, capacity: int) -> tuple[KVBuffers, torch.Tensor]:
@@ -458,7 +458,7 @@ class KVBoost:
         guard = None
         if pre.target is not None and not pre.fell_back:
             guard = fidelity.Guard(pre.curve, pre.target)  # prefill sets the target and its guard's curve together
-            guard.survive, guard.tokens = 1.0 - pre.risk, 1
+            guard.take(pre.logits)  # the first token, trusted by the prefill
         exact_from, risk = (0 if pre.fell_back else None), pre.risk
         # The lock is taken per step (by the batcher), never across a yield: async callers resume us from
         # other threads. While it decodes, the stream is counted so that a batch waits for its step.

@@ -23,11 +23,12 @@ total time, not TTFT.
 Levels are held to floors users already accept (issue 41), measured on the calibration prompts: "balanced" lets
 an answer differ from a full prefill's no more often than a full prefill of the same documents in another order
 does (the order floor), "strict" no more often than a full prefill in the other dtype (bf16 against float32: the
-dtype floor). A floor is a per-token hazard h (the chance the floor's answer first departs at a given token), so
-the allowed risk grows with the answer, 1 - (1 - h)^t after t tokens, as the floor's own does: a long answer is not
-moved to an exact cache just for being long. "fast" has no guard; a number in (0, 1) is a fixed risk per answer;
-without floors (no calibration yet) the levels fall back to BALANCED and STRICT per answer, and the model's
-DEFAULT curve serves, a conservative one.
+dtype floor). Each floor is a curve too, P(the floor's token differs | margin), fitted on the same steps (the
+floor's flips against the reused cache's margins at that budget): a request is trusted while its risk stays within
+the risk the floor would run over the very same tokens. So an answer through unsure tokens, which any other
+order would change as well, is not moved for being unsure, and a long one not for being long. "fast" has no
+guard; a number in (0, 1) is a fixed risk per answer; without floors (no calibration yet) the levels fall back to
+BALANCED and STRICT per answer, and the model's DEFAULT curve serves, a conservative one.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 from .store.files import safetensors_metadata
 
-VERSION = 3  # 3: one curve per recompute budget
+VERSION = 4  # 3: one curve per recompute budget; 4: and the floors' curves at it
 LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
 STRICT = 0.03
@@ -62,29 +63,6 @@ def margin(logits: torch.Tensor) -> float:
 
 
 @dataclass(frozen=True)
-class Floors:
-    """Per-token hazards of the two floors (see the module's docstring), and the prompts they were measured on."""
-
-    order: float
-    dtype: float
-    prompts: int
-
-    def allowed(self, level: str, tokens: int) -> float:
-        """The risk `level` allows an answer of `tokens` tokens (1 for its first token)."""
-        hazard = self.order if level == "balanced" else self.dtype
-        return 1.0 - (1.0 - hazard) ** tokens
-
-
-def floor_hazard(first_changes: Sequence[int | None], tokens: int) -> float:
-    """The per-token hazard of a floor from the step at which each answer first changed (None: not within
-    `tokens`): changes over the tokens at risk (a geometric law's estimate), with half a change added so that a
-    floor that changed nothing on a few prompts still allows a little."""
-    changes = sum(step is not None for step in first_changes)
-    at_risk = sum(tokens if step is None else step + 1 for step in first_changes)
-    return (changes + 0.5) / (at_risk + 1.0)
-
-
-@dataclass(frozen=True)
 class Predictor:
     intercept: float
     slope: float
@@ -93,7 +71,8 @@ class Predictor:
     documents: int = 0  # the corpus's size when fitted (a corpus that doubles is fitted again)
     budget: float = 0.0  # the recompute budget its prompts were repaired at (0: the default curve, any budget)
     others: tuple[Predictor, ...] = ()  # the curves fitted at the other levels' budgets in the same pass
-    floors: Floors | None = None  # measured in the same pass; None: the levels' fixed targets serve
+    # The floors' curves at this budget, fitted in the same pass: (order, dtype); None: the levels' fixed targets
+    floors: tuple[Predictor, Predictor] | None = None
 
     def flip_chance(self, margin: float) -> float:
         z = self.intercept + self.slope * margin
@@ -107,48 +86,54 @@ class Predictor:
         return below[-1] if below else curves[0]
 
     def with_others(self, others: Sequence[Predictor]) -> Predictor:
-        return replace(self, others=tuple(replace(curve, others=(), floors=None) for curve in others))
+        return replace(self, others=tuple(replace(curve, others=()) for curve in others))
 
 
 DEFAULT_PREDICTOR = Predictor(*DEFAULT)
 
 
-def target_for(fidelity: str | float, floors: Floors | None):
-    """The risk a request may take after t tokens, t -> float: its level's floor where measured, else a fixed
-    risk per answer (target_of); None for "fast"."""
-    if fidelity in ("balanced", "strict") and floors is not None:
-        return lambda tokens: floors.allowed(fidelity, tokens)
-    fixed = target_of(fidelity)
-    return None if fixed is None else (lambda tokens: fixed)
+def target_for(fidelity: str | float, curve: Predictor) -> float | Predictor | None:
+    """What a request at `fidelity`, judged by `curve`, is held to: its level's floor curve where calibrated (see
+    the module's docstring), else a fixed risk per answer (target_of); None for "fast"."""
+    if fidelity in ("balanced", "strict") and curve.floors is not None:
+        return curve.floors[0 if fidelity == "balanced" else 1]
+    return target_of(fidelity)
 
 
 class Guard:
     """One request's running risk: `trusts(logits)` says whether the next token may come from the reused cache
-    (and counts its risk in), or must come from an exact one. `target`: the risk allowed after t tokens (t -> float,
-    see target_for), or a fixed one."""
+    (and counts its risk in), or must come from an exact one. `target`: a fixed risk per answer, or a floor's
+    curve (the risk the floor would run over the same tokens, accumulated alongside)."""
 
-    def __init__(self, predictor: Predictor, target):
-        self.predictor = predictor
-        self.allowed = target if callable(target) else (lambda tokens, fixed=target: fixed)
+    def __init__(self, predictor: Predictor, target: float | Predictor):
+        self.predictor, self.target = predictor, target
         self.survive = 1.0  # chance the answer so far equals a full prefill's
-        self.tokens = 0  # tokens trusted so far
+        self.floor_survive = 1.0  # the same for the floor, over the same tokens
 
     @property
     def risk(self) -> float:
         return 1.0 - self.survive
 
-    @property
-    def target(self) -> float:
-        """The risk allowed once the next token is trusted."""
-        return self.allowed(self.tokens + 1)
-
     def trusts(self, logits: torch.Tensor) -> bool:
-        p = self.predictor.flip_chance(margin(logits))
-        if 1.0 - self.survive * (1.0 - p) > self.target:
+        m = margin(logits)
+        p = self.predictor.flip_chance(m)
+        if isinstance(self.target, Predictor):
+            q = self.target.flip_chance(m)
+            allowed = 1.0 - self.floor_survive * (1.0 - q)
+        else:
+            q, allowed = 0.0, self.target
+        if 1.0 - self.survive * (1.0 - p) > allowed:
             return False
         self.survive *= 1.0 - p
-        self.tokens += 1
+        self.floor_survive *= 1.0 - q
         return True
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Count a token already served in (a stream taking its prefill's first token over)."""
+        m = margin(logits)
+        self.survive *= 1.0 - self.predictor.flip_chance(m)
+        if isinstance(self.target, Predictor):
+            self.floor_survive *= 1.0 - self.target.flip_chance(m)
 
 
 def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, budget: float = 0.0) -> Predictor:
@@ -175,15 +160,15 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, b
 def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:
     """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what
     calibrate.save keeps beside the engine's store (a file, a Redis value). One row per curve, the main one
-    first: (budget, intercept, slope, tokens, flips)."""
+    first: (budget, intercept, slope, tokens, flips), then the same four for the order and the dtype floor's
+    curves (NaN without floors)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "documents": str(predictor.documents)}
-    if predictor.floors is not None:  # older readers ignore these keys; this one reads them when present
-        floors = predictor.floors
-        meta |= {"order_floor": repr(floors.order), "dtype_floor": repr(floors.dtype),
-                 "floor_prompts": str(floors.prompts)}
-    curves = torch.tensor([[c.budget, c.intercept, c.slope, c.tokens, c.flips]
-                           for c in (predictor, *predictor.others)], dtype=torch.float64)
-    return safetensors.torch.save({"curves": curves}, metadata=meta)
+    rows = []
+    for c in (predictor, *predictor.others):
+        floors = ([v for f in c.floors for v in (f.intercept, f.slope, f.tokens, f.flips)] if c.floors
+                  else [math.nan] * 8)
+        rows.append([c.budget, c.intercept, c.slope, c.tokens, c.flips, *floors])
+    return safetensors.torch.save({"curves": torch.tensor(rows, dtype=torch.float64)}, metadata=meta)
 
 
 def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
@@ -193,14 +178,20 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
         meta = safetensors_metadata(data)
         curves = safetensors.torch.load(bytes(data))["curves"]
         documents = int(meta.get("documents", 0))
-        floors = (Floors(float(meta["order_floor"]), float(meta["dtype_floor"]), int(meta["floor_prompts"]))
-                  if "order_floor" in meta else None)
     except Exception:  # noqa: BLE001 - safetensors raises its own error type for every kind of damage
         return None
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION) or curves.ndim != 2
-            or curves.shape[0] < 1 or curves.shape[1] != 5 or not torch.isfinite(curves).all()
-            or (floors is not None and not all(0.0 < h < 1.0 for h in (floors.order, floors.dtype)))):
+            or curves.shape[0] < 1 or curves.shape[1] != 13 or not torch.isfinite(curves[:, :5]).all()):
         return None
-    main, *others = (Predictor(float(row[1]), float(row[2]), int(row[3]), int(row[4]), documents, float(row[0]))
-                     for row in curves)
-    return replace(main.with_others(others), floors=floors)
+    parsed = []
+    for row in curves.tolist():
+        budget, intercept, slope, tokens, flips, *floor_values = row
+        floors = None
+        if all(math.isfinite(v) for v in floor_values):
+            floors = tuple(Predictor(i, s, int(t), int(f), documents, budget)
+                           for i, s, t, f in (floor_values[:4], floor_values[4:]))
+        elif not all(math.isnan(v) for v in floor_values):
+            return None  # partly there: damaged
+        parsed.append(Predictor(intercept, slope, int(tokens), int(flips), documents, budget, floors=floors))
+    main, *others = parsed
+    return main.with_others(others)

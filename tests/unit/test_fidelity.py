@@ -250,43 +250,53 @@ def test_ask_prints_the_guards_figures(make_tiny_engine, tmp_path, monkeypatch, 
 # ---- levels held to floors (issue 41, item 4) ------------------------------------------------------------------
 
 
-def test_a_floor_is_a_per_token_hazard_and_the_allowed_risk_grows_with_the_answer():
-    # 4 answers of 16 tokens: two changed (at steps 3 and 7), two never: 2 changes over 4 + 8 + 16 + 16 tokens.
-    hazard = fidelity.floor_hazard([3, 7, None, None], 16)
-    assert hazard == pytest.approx(2.5 / 45)
-    assert 0 < fidelity.floor_hazard([None] * 8, 16) < 0.01  # no change seen: a little allowed, not nothing
-    floors = fidelity.Floors(order=0.05, dtype=0.005, prompts=4)
-    assert floors.allowed("balanced", 1) == pytest.approx(0.05)
-    assert floors.allowed("balanced", 64) == pytest.approx(1 - 0.95 ** 64)
-    assert floors.allowed("strict", 64) < floors.allowed("balanced", 16)
+def test_a_guard_held_to_a_floor_trusts_what_the_floor_would_risk_on_the_same_tokens():
+    """A floor's curve above the request's: unsure tokens, which another document order would change as often, and a
+    long answer, are kept where a fixed 15% per answer moves them; a floor below the request's refuses at once."""
+    ours = fidelity.Predictor(0.0, -1.0)
+    order = fidelity.Predictor(0.5, -1.0)  # the order floor flips more at every margin
+    dtype = fidelity.Predictor(-3.0, -1.0)  # the dtype floor far less
+    curve = replace(ours, floors=(order, dtype))
+    unsure = torch.tensor([0.4, 0.0])  # margin 0.4: a 40% chance of a flip
+    steady = torch.tensor([math.log(99.0), 0.0])  # a 1% chance
+    balanced = fidelity.Guard(curve, fidelity.target_for("balanced", curve))
+    assert balanced.trusts(unsure) and all(balanced.trusts(steady) for _ in range(63))
+    assert balanced.risk > 0.6 and balanced.floor_survive < balanced.survive  # the floor ran more risk still
+    fixed = fidelity.Guard(ours, fidelity.target_for("balanced", ours))  # no floors: 15% per answer
+    assert fixed.target == fidelity.BALANCED and not fixed.trusts(unsure)
+    strict = fidelity.Guard(curve, fidelity.target_for("strict", curve))
+    assert not strict.trusts(steady)  # 1% against the dtype floor's 0.05% at that margin
 
 
-def test_a_guard_held_to_a_floor_keeps_a_long_sure_answer_that_a_fixed_target_would_move():
-    """Every token with a 1% chance of a flip: a fixed 15% per answer is spent by token 17, while the order floor
-    (5% a token) allows it all the way; a first token with a 30% chance is refused."""
-    curve = fidelity.Predictor(0.0, -1.0)
-    steady = torch.tensor([math.log(99.0), 0.0])  # margin log(99): flip chance 1%
-    floored = fidelity.Guard(curve, fidelity.target_for("balanced", fidelity.Floors(0.05, 0.005, 8)))
-    fixed = fidelity.Guard(curve, fidelity.target_for("balanced", None))
-    trusted = [fixed.trusts(steady) for _ in range(64)]
-    assert trusted.index(False) == 16  # the first refused: 1 - 0.99^17 > 0.15
-    assert all(floored.trusts(steady) for _ in range(64)) and floored.tokens == 64
-    fresh = fidelity.Guard(curve, fidelity.target_for("balanced", fidelity.Floors(0.05, 0.005, 8)))
-    assert not fresh.trusts(torch.tensor([math.log(0.7 / 0.3), 0.0]))  # a first token at 30%: over the floor's 5%
-    strict = fidelity.Guard(curve, fidelity.target_for("strict", fidelity.Floors(0.05, 0.005, 8)))
-    assert not strict.trusts(steady)  # 1% a token is above the dtype floor's 0.5%
+def test_a_saved_predictor_keeps_its_floors_and_a_half_written_row_is_refused(tmp_path):
+    flips = synthetic_flips()
+    floors = (fidelity.fit(*synthetic_flips(seed=1, intercept=2.0)), fidelity.fit(*synthetic_flips(seed=2,
+                                                                                                   intercept=-1.0)))
+    main = replace(fidelity.fit(*flips, documents=40, budget=0.07), floors=floors)
+    other = fidelity.fit(*flips, documents=40, budget=0.15)
+    predictor = main.with_others([other])
+    data = fidelity.to_bytes(predictor, "fp")
+    back = fidelity.from_bytes(data, "fp")
+    assert back.floors[0].intercept == pytest.approx(floors[0].intercept) and back.others[0].floors is None
+    import safetensors.torch
+
+    curves = safetensors.torch.load(data)["curves"]
+    curves[0, 7] = float("nan")  # one floor value lost
+    damaged = safetensors.torch.save({"curves": curves}, metadata={"fingerprint": "fp", "version": str(
+        fidelity.VERSION), "documents": "40"})
+    assert fidelity.from_bytes(damaged, "fp") is None
 
 
-def test_calibration_measures_both_floors_on_questions_and_saves_them(calibrated, make_tiny_engine, tmp_path):
+def test_calibration_fits_both_floors_on_questions_and_saves_them(calibrated, make_tiny_engine, tmp_path):
     import kvboost_rag.calibrate as calibration
 
-    floors = calibrated.predictor.floors
-    assert floors is not None and floors.prompts == calibration.PROMPTS
-    assert 0 < floors.dtype < 1 and 0 < floors.order < 1
-    # The order floor reorders documents: on a tiny random model it changes answers far more than bf16 rounding.
-    assert floors.order > floors.dtype
+    for curve in (calibrated.predictor, *calibrated.predictor.others):  # at every budget, on its own margins
+        order, dtype = curve.floors
+        assert order.tokens == dtype.tokens == curve.tokens and order.budget == dtype.budget == curve.budget
+        # Reordering documents changes a tiny random model's answers far more often than bf16 rounding does.
+        assert order.flips > dtype.flips
     again = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)), guarded=True)
-    assert again.predictor.floors == floors  # read back from the store's folder
+    assert again.predictor.floors == calibrated.predictor.floors  # read back from the store's folder
     drawn = calibration.calibration_set(calibrated, corpus(), 3, 4)
     for item in drawn:  # each prompt asks a question, and its twin holds the same documents reversed
         user, twin = item.prompt[-1]["content"], item.reordered[-1]["content"]
