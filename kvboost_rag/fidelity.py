@@ -137,22 +137,32 @@ class Guard:
 
 
 def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, budget: float = 0.0) -> Predictor:
-    """Logistic regression of `flipped` on `margins` (Newton's method, a small ridge), for requests repaired at
-    `budget`."""
+    """Logistic regression of `flipped` on `margins` (Newton's method with step halving, a small ridge towards the
+    DEFAULT curve), for requests repaired at `budget`. The step halving keeps a nearly separable sample (a floor
+    that flips only where margins are small, say) from overshooting into a curve of huge coefficients."""
     if len(margins) < MIN_TOKENS:
         raise ValueError(f"a fidelity predictor needs at least {MIN_TOKENS} calibration tokens, got {len(margins)}")
     x = torch.tensor(list(margins), dtype=torch.float64)
     y = torch.tensor([float(f) for f in flipped], dtype=torch.float64)
     design = torch.stack([torch.ones_like(x), x], dim=1)  # [T, 2]
-    w = torch.tensor(DEFAULT, dtype=torch.float64)
+    prior = torch.tensor(DEFAULT, dtype=torch.float64)
     ridge = 1e-2 * torch.eye(2, dtype=torch.float64)
-    for _ in range(50):
+
+    def loss(w: torch.Tensor) -> float:  # the penalized negative log-likelihood
+        z = design @ w
+        return float((torch.nn.functional.softplus(z) - y * z).sum() + 0.5 * (w - prior) @ ridge @ (w - prior))
+
+    w = prior.clone()
+    for _ in range(100):
         p = torch.sigmoid(design @ w)
-        grad = design.T @ (p - y) + ridge @ (w - torch.tensor(DEFAULT, dtype=torch.float64))
+        grad = design.T @ (p - y) + ridge @ (w - prior)
         hess = design.T @ (design * (p * (1 - p))[:, None]) + ridge
         step = torch.linalg.solve(hess, grad)
-        w = w - step
-        if step.abs().max() < 1e-9:
+        scale, before = 1.0, loss(w)
+        while scale > 1e-6 and loss(w - scale * step) > before:
+            scale /= 2
+        w = w - scale * step
+        if (scale * step).abs().max() < 1e-9:
             break
     return Predictor(float(w[0]), float(w[1]), len(margins), int(y.sum()), documents, budget)
 

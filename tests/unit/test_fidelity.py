@@ -314,3 +314,12 @@ def test_the_calibration_layout_is_checked_and_used(make_tiny_engine):
     engine = make_tiny_engine(EngineConfig(calibration_layout="langchain"))
     drawn = calibration.calibration_set(engine, corpus(), 2, 3)
     assert all(item.prompt[0]["role"] == "system" and "Context:\n" in item.prompt[0]["content"] for item in drawn)
+
+
+def test_a_nearly_separable_sample_gives_a_steep_curve_not_a_blown_up_one():
+    """Flips only below margin 0.5 (a floor that changes only unsure tokens): the fit stays finite and ordered."""
+    margins = [0.05 * i for i in range(200)]
+    flipped = [m < 0.5 for m in margins]
+    curve = fidelity.fit(margins, flipped)
+    assert all(math.isfinite(v) for v in (curve.intercept, curve.slope)) and abs(curve.slope) < 1e3
+    assert curve.flip_chance(0.1) > 0.5 > curve.flip_chance(1.0)
