@@ -1,10 +1,12 @@
-"""`kvboost-rag store stats|verify|prune DIR`: look after a disk KV store without loading a model.
+"""`kvboost-rag store stats|verify|prune DIR`: look after a disk KV store without loading a model
+(`store verify redis://host:6379/0` checks a Redis tier the same way, see store/redis_verify.py).
 
 stats reads only file headers (fast); verify reads every file and checks it as its kind says (K/V
-files, document indexes record by record, drift maps, the tier's index), listing temp files and files
-that are not ours; prune removes damaged files and left-over temp files, drops a document index's bad
-records, then optionally removes the least recently used K/V files to meet a size or age limit. Intact
-document indexes and drift maps are never removed: they are not recomputed by just using the store.
+files, document indexes record by record, the calibration's drift maps and fidelity predictor, the tier's
+index), listing temp files and files that are not ours; prune removes damaged files and left-over temp files,
+drops a document index's bad records, then optionally removes the least recently used K/V files to meet a size
+or age limit. Intact document indexes and calibrations are never removed: they are not recomputed by just using
+the store.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from kvboost_rag.config import REDIS_SCHEMES
 from kvboost_rag.store.entries import BadEntryFile, read_header
 from kvboost_rag.store.folder import file_kind, prune_dir, verify_dir
 
@@ -40,7 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "prune", help="remove damaged files and left-over temp files, then LRU K/V files to meet the limits"
     )
     for sub in (stats, verify, prune):
-        sub.add_argument("dir", type=Path, metavar="DIR", help="the store's disk_dir")
+        sub.add_argument("dir", metavar="DIR", help="the store's disk_dir (verify also takes the URL of a Redis "
+                                                    "tier: redis://host:6379/0)")
         sub.add_argument("--json", action="store_true", help="print a JSON report instead of text")
     for sub in (verify, prune):
         sub.add_argument(
@@ -60,6 +64,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def main(args: argparse.Namespace) -> int:
+    if str(args.dir).startswith(REDIS_SCHEMES):
+        if args.store_command != "verify":
+            print(f"kvboost-rag store {args.store_command}: works on a store folder; a Redis tier is sized by its "
+                  "own maxmemory policy (allkeys-lru), and `kvboost-rag store verify URL` checks it", file=sys.stderr)
+            return 2
+        return _verify_redis(args)
+    args.dir = Path(args.dir)
     if not args.dir.is_dir():
         print(f"kvboost-rag store: {args.dir} is not a directory", file=sys.stderr)
         return 2
@@ -105,6 +116,7 @@ def _stats(args: argparse.Namespace) -> int:
         temp_files=len(kinds.get("temp", [])),
         fingerprints={fp: dict(sorted(m.items())) for fp, m in sorted(by_model.items())},
         drift_maps=len(kinds.get("drift", [])),
+        fidelity_calibrations=len(kinds.get("fidelity", [])),
         document_indexes=len(kinds.get("documents", [])),
         documents=sum(_count_lines(p) for p in kinds.get("documents", [])),
         store_indexes=len(kinds.get("index", [])),
@@ -120,7 +132,8 @@ def _stats(args: argparse.Namespace) -> int:
     if unreadable:
         print(f"  {unreadable} files with unreadable headers (run `kvboost-rag store verify {args.dir}`)")
     print(f"  {report['document_indexes']} document indexes ({report['documents']} records), "
-          f"{report['drift_maps']} drift maps, {report['store_indexes']} store indexes")
+          f"{report['drift_maps']} drift maps, {report['fidelity_calibrations']} fidelity calibrations, "
+          f"{report['store_indexes']} store indexes")
     if report["temp_files"]:
         print(f"  {report['temp_files']} temp files (interrupted or in-flight writes; prune removes left-over ones)")
     if report["other_files"]:
@@ -147,6 +160,7 @@ def _verify(args: argparse.Namespace) -> int:
             fingerprints=report.fingerprints,
             temp_files=[str(p) for p in report.temp_files],
             drift_maps=[str(p) for p in report.drift_maps],
+            fidelity_calibrations=[str(p) for p in report.fidelity],
             documents={str(p): n for p, n in report.documents.items()},
             bad_records={str(p): [dict(line=n, why=why) for n, why in v] for p, v in report.bad_records.items()},
             store_indexes=[str(p) for p in report.indexes],
@@ -154,11 +168,12 @@ def _verify(args: argparse.Namespace) -> int:
         )
         print(json.dumps(doc, indent=2))
         return 0 if report.ok else 1
-    kv_bad = sum(file_kind(p) not in ("documents", "drift", "index") for p in report.bad)
+    kv_bad = sum(file_kind(p) not in ("documents", "drift", "fidelity", "index") for p in report.bad)
     print(f"{args.dir}: {len(report.good)} good, {kv_bad} bad, {len(report.foreign)} foreign K/V files")
     bad_records = sum(len(v) for v in report.bad_records.values())
     print(f"  {len(report.documents)} document indexes ({sum(report.documents.values())} intact records, "
-          f"{bad_records} bad), {len(report.drift_maps)} intact drift maps, {len(report.indexes)} store indexes, "
+          f"{bad_records} bad), {len(report.drift_maps)} intact drift maps, {len(report.fidelity)} intact fidelity "
+          f"calibrations, {len(report.indexes)} store indexes, "
           f"{len(report.temp_files)} temp files, {len(report.unknown)} unknown files")
     for fp, n in sorted(report.fingerprints.items()):
         mark = "" if args.fingerprint in (None, fp) else " (foreign)"
@@ -174,6 +189,41 @@ def _verify(args: argparse.Namespace) -> int:
               "drop the bad records of document indexes (those documents are tokenized again when ingested)")
     elif report.temp_files:
         print(f"`kvboost-rag store prune {args.dir}` removes the temp files no writer holds any more")
+    return 0 if report.ok else 1
+
+
+def _verify_redis(args: argparse.Namespace) -> int:
+    from kvboost_rag.store.redis_verify import verify_redis  # needs the redis client: only for a Redis URL
+
+    try:
+        report = verify_redis(args.dir, args.fingerprint)
+    except Exception as e:  # noqa: BLE001 - the client's errors (unreachable, refused) and a missing client
+        print(f"kvboost-rag store verify: cannot read the Redis store at {args.dir}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2
+    if args.json:
+        doc = dict(url=report.url, ok=report.ok, good=report.good, foreign=report.foreign,
+                   fingerprints=report.fingerprints, pointers=report.pointers, stale_pointers=report.stale_pointers,
+                   calibrations=report.calibrations, documents=report.documents, bad=report.bad,
+                   unknown=report.unknown, other_keys=report.other_keys)
+        print(json.dumps(doc, indent=2))
+        return 0 if report.ok else 1
+    kv_bad = sum(":p:" in key for key in report.bad)
+    print(f"{report.url}: {report.good} good, {kv_bad} bad, {report.foreign} foreign entries")
+    print(f"  {report.pointers} content pointers ({report.stale_pointers} stale: their entry is gone), "
+          f"{len(report.documents)} document indexes ({sum(report.documents.values())} intact records), "
+          f"{len(report.calibrations)} intact calibrations, {len(report.unknown)} unknown keys under kvboost:, "
+          f"{report.other_keys} other keys (not kvboost-rag's, left alone)")
+    for fp, n in sorted(report.fingerprints.items()):
+        mark = "" if args.fingerprint in (None, fp) else " (foreign)"
+        print(f"  fingerprint {fp}: {n} intact entries{mark}")
+    for key, why in report.bad.items():
+        print(f"  BAD {key}: {why}")
+    for key in report.unknown:
+        print(f"  UNKNOWN {key}: not named like anything kvboost-rag writes")
+    if report.bad:
+        print("an engine deletes a bad value when it reads it (a chunk is then recomputed, a document tokenized again "
+              "when ingested, a calibration fitted again); `redis-cli DEL KEY` removes one now")
     return 0 if report.ok else 1
 
 
@@ -207,7 +257,7 @@ def _prune(args: argparse.Namespace) -> int:
     print(
         f"{args.dir}: {verb} {len(report.removed)} files{rewrote if report.compacted else ''} "
         f"({_human(report.freed_bytes)} freed); kept {report.kept_files} K/V files ({_human(report.kept_bytes)}), "
-        "and every intact document index and drift map"
+        "and every intact document index and calibration"
     )
     return 0
 

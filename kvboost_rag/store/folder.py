@@ -1,8 +1,10 @@
 """The store folder as a whole: what each file in it is, checking every one, and pruning.
 
 One folder holds the disk tier's K/V files and index (store/disk.py), the engine's document index
-(`documents-*.jsonl`, see documents.py), fitted drift maps (`drift-*.safetensors`, see drift.py), temp
-files of writes in flight or interrupted (store/files.py), and maybe files that are not ours. `file_kind`
+(`documents-*.jsonl`, see documents.py), the corpus's calibration (`drift-*.safetensors`, the drift maps, see
+drift.py; `fidelity-*.safetensors`, the fidelity guard's predictor, see fidelity.py; both written by
+calibrate.save), temp files of writes in flight or interrupted (store/files.py), and maybe files that are not
+ours. `file_kind`
 tells them apart by name alone; `verify_dir` checks each as its kind says and `prune_dir` removes what is
 damaged or left over, and what it takes to meet an age or size limit. They live apart from the disk tier
 because they judge every kind of file, not only the K/V files (`kvboost-rag store verify/prune` call them
@@ -18,25 +20,27 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from kvboost_rag.store.documents import describe_bad_records, drop_bad_records, read_records
-from kvboost_rag.store.entries import SUFFIX, BadEntryFile, _open, read_entry, read_header
-from kvboost_rag.store.files import TEMP_SUFFIX, _mtime, _stat, is_locked
+from kvboost_rag.store.entries import SUFFIX, BadEntryFile, read_entry, read_header
+from kvboost_rag.store.files import TEMP_SUFFIX, _mtime, _stat, is_locked, safetensors_metadata
 
 # What each name in the folder is (see file_kind). Prefix keys are written as lowercase hex by entry_path.
 _KINDS = (
     ("entry", re.compile(r"(?:[0-9a-f]{2})+\.safetensors")),
     ("drift", re.compile(r"drift-[0-9a-f]{16}\.safetensors")),  # calibrate.save, named by the engine
+    ("fidelity", re.compile(r"fidelity-[0-9a-f]{16}\.safetensors")),  # calibrate.save, named by the engine
     ("documents", re.compile(r"documents-[0-9a-f]{16}\.jsonl")),  # DocumentIndex, named by make_index
     ("index", re.compile(r"index-[0-9a-f]{16}\.json")),  # DiskStore's own index
 )
 
 
 def file_kind(path: Path) -> str:
-    """What a name in the store folder is: "entry" (a K/V file), "drift" (fitted drift maps),
-    "documents" (the document index), "index" (the disk tier's index), "temp" (a write in flight or
-    interrupted) or "other" (not named like any of ours)."""
+    """What a name in the store folder is: "entry" (a K/V file), "drift" (fitted drift maps), "fidelity" (the
+    fidelity guard's fitted predictor), "documents" (the document index), "index" (the disk tier's index),
+    "temp" (a write in flight or interrupted) or "other" (not named like any of ours)."""
     name = Path(path).name
     if name.endswith(TEMP_SUFFIX):
         return "temp"
@@ -56,6 +60,7 @@ class VerifyReport:
     fingerprints: dict[str, int] = field(default_factory=dict)  # intact K/V files per fingerprint
     temp_files: list[Path] = field(default_factory=list)  # left by interrupted writes (or in flight)
     drift_maps: list[Path] = field(default_factory=list)  # intact fitted drift maps
+    fidelity: list[Path] = field(default_factory=list)  # intact fitted fidelity predictors
     documents: dict[Path, int] = field(default_factory=dict)  # document index -> intact records
     # Document index -> (line, why) of each record the engine would skip; such a file is also in `bad`.
     bad_records: dict[Path, list[tuple[int, str]]] = field(default_factory=dict)
@@ -84,9 +89,9 @@ def list_entry_files(directory: Path) -> list[Path]:
 
 
 def verify_dir(directory: str | os.PathLike, fingerprint: str | None = None) -> VerifyReport:
-    """Check every file in the folder as its kind says: K/V files read in full (checksums included),
-    drift maps loaded, document indexes record by record, this tier's index parsed; temp files and
-    files that are not kvboost-rag's listed. Without a fingerprint, any intact K/V file is good and
+    """Check every file in the folder as its kind says: K/V files read in full (checksums included), drift
+    maps and fidelity predictors loaded, document indexes record by record, this tier's index parsed; temp files
+    and files that are not kvboost-rag's listed. Without a fingerprint, any intact K/V file is good and
     `fingerprints` says how many each model wrote."""
 
     directory = Path(directory)
@@ -96,9 +101,9 @@ def verify_dir(directory: str | os.PathLike, fingerprint: str | None = None) -> 
         try:
             if kind == "entry":
                 _verify_entry(path, fingerprint, report)
-            elif kind == "drift":
-                _check_drift(path)
-                report.drift_maps.append(path)
+            elif kind in CALIBRATIONS:
+                check_calibration(kind, path.read_bytes(), path.stem.removeprefix(f"{kind}-"))
+                (report.drift_maps if kind == "drift" else report.fidelity).append(path)
             elif kind == "documents":
                 docs, problems = read_records(path)
                 report.documents[path] = len(docs)
@@ -131,25 +136,49 @@ def _verify_entry(path: Path, fingerprint: str | None, report: VerifyReport) -> 
     (report.good if fingerprint in (None, owner) else report.foreign).append(path)
 
 
-def _check_drift(path: Path) -> None:
-    """What the engine's drift.from_bytes checks without the model (it also checks the shapes against the model)."""
-    from kvboost_rag import drift  # drift.py imports store/files.py: imported here, not at the top (see verify_dir)
+# The corpus's calibration (calibrate.save): a file beside the disk tier, a value in the Redis tier, the same bytes.
+CALIBRATIONS = ("drift", "fidelity")
 
-    with _open(path) as f:
-        meta = f.metadata() or {}
-        try:
-            keys, values = f.get_tensor("keys"), f.get_tensor("values")
-        except Exception as e:  # safetensors' own error types: a missing tensor or damaged bytes
-            raise BadEntryFile(f"unreadable drift maps ({e})") from e
-    if meta.get("version") != str(drift.VERSION):
-        raise BadEntryFile(f"drift maps of version {meta.get('version')!r}, this kvboost-rag reads {drift.VERSION}: "
-                           "refit them with KVBoost.fit_drift()")
-    if meta.get("fingerprint", "")[:16] != path.stem.removeprefix("drift-"):
-        raise BadEntryFile(f"drift maps for model fingerprint {meta.get('fingerprint')!r}, not the one its name says")
-    if keys.dim() != 5 or keys.shape != values.shape or keys.shape[-2] != keys.shape[-1] + 1:
-        raise BadEntryFile(f"drift maps of shape {list(keys.shape)} / {list(values.shape)}, not [P, L, H, D + 1, D]")
-    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
-        raise BadEntryFile("drift maps hold NaN or infinite numbers")
+
+def check_calibration(kind: str, data: bytes, namespace: str) -> None:
+    """Raise BadEntryFile unless `data` is calibration `kind` ("drift" or "fidelity") that an engine whose
+    fingerprint starts with `namespace` (the 16 characters a file name or Redis key holds) would use: its metadata
+    (format version, that fingerprint), its shapes and finite numbers, checked as drift.from_bytes and
+    fidelity.from_bytes check them without the model (the drift maps' shapes against the model are the engine's)."""
+    # Imported here, not at the top: both import store/files.py, and the store is imported before them.
+    from kvboost_rag import drift, fidelity
+
+    module, what, then = {"drift": (drift, "drift maps", "refit them with KVBoost.fit_drift()"),
+                          "fidelity": (fidelity, "fidelity calibration", "the next ingest fits it again")}[kind]
+    try:
+        meta = safetensors_metadata(data)
+        tensors = safetensors.torch.load(bytes(data))
+    except Exception as e:  # safetensors' own error types: damaged or truncated bytes
+        raise BadEntryFile(f"unreadable {what} ({e})") from e
+    if meta.get("version") != str(module.VERSION):
+        raise BadEntryFile(f"{what} of version {meta.get('version')!r}, this kvboost-rag reads {module.VERSION}: "
+                           f"{then}")
+    if meta.get("fingerprint", "")[:16] != namespace:
+        raise BadEntryFile(f"{what} for model fingerprint {meta.get('fingerprint')!r}, not the one its name says")
+    if kind == "drift":
+        keys, values = tensors.get("keys"), tensors.get("values")
+        if keys is None or values is None:
+            raise BadEntryFile(f"unreadable {what} (no keys or values tensor)")
+        if keys.dim() != 5 or keys.shape != values.shape or keys.shape[-2] != keys.shape[-1] + 1:
+            raise BadEntryFile(f"drift maps of shape {list(keys.shape)} / {list(values.shape)}, not "
+                               "[P, L, H, D + 1, D]")
+        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+            raise BadEntryFile("drift maps hold NaN or infinite numbers")
+        return
+    curves = tensors.get("curves")
+    if curves is None or curves.dim() != 2 or curves.shape[0] < 1 or curves.shape[1] != 13:
+        shape = None if curves is None else list(curves.shape)
+        raise BadEntryFile(f"fidelity calibration of shape {shape}, not [curves, 13]")
+    if not torch.isfinite(curves[:, :5]).all():  # the floors' columns are NaN where a curve has no floors
+        raise BadEntryFile("fidelity calibration holds NaN or infinite numbers")
+    if fidelity.from_bytes(data, meta["fingerprint"]) is None:  # what else the engine refuses
+        raise BadEntryFile("fidelity calibration the engine refuses (a curve's floors partly missing, or its "
+                           "metadata damaged)")
 
 
 def _check_index(path: Path) -> None:
@@ -182,8 +211,8 @@ def prune_dir(
     """Remove bad files and left-over temp files, and drop the bad records of document indexes; then,
     least recently used first (reads bump a file's mtime), K/V files unused for `max_age_s` and as many
     as it takes to fit `max_bytes`. Intact K/V files of another fingerprint are kept unless
-    `remove_foreign`. Intact drift maps and document indexes, and files not kvboost-rag's, are never
-    removed."""
+    `remove_foreign`. Intact calibrations (drift maps, fidelity predictors) and document indexes, and files
+    not kvboost-rag's, are never removed."""
 
     report = verify_dir(directory, fingerprint)
     now = time.time()
