@@ -156,6 +156,12 @@ class RepairConfig:
     # See fidelity.py: the guard moves a request to an exact cache before a token it cannot trust.
     fidelity: str | float = knob("balanced", "how sure each answer must be to equal a full prefill's: 'fast' (no "
                                              "guard), 'balanced', 'strict', or the chance it may differ, e.g. 0.1")
+    # The guard's ladder (repair/guard.py): a cache the request's budget cannot be trusted with is repaired again at
+    # the levels' larger budgets, then this one, before a full prefill; so a model whose cache the default budget
+    # cannot trust still gains at a larger one.
+    escalate_to: float = knob(0.3, "the largest recompute budget the fidelity guard repairs a request's cache again "
+                                   "at before a token it cannot trust (the levels' budgets above the request's, then "
+                                   "this), before a full prefill; 0 = straight to a full prefill")
 
     def __post_init__(self):
         check_int(self, "boundary_tokens", 0, hint="selective: 0 recomputes no reused token")
@@ -174,6 +180,7 @@ class RepairConfig:
             check_number(self, "fidelity", 0.0, 1.0, above=True,
                          hint="the chance an answer may differ from a full prefill's, or one of "
                               + ", ".join(FIDELITY_LEVELS))
+        check_number(self, "escalate_to", 0.0, 1.0, hint="0 falls back to a full prefill without repairing again")
 
     @property
     def budget(self) -> float:
