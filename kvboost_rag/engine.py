@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import batching, drift, fidelity, ingestion, models
+from . import batching, drift, fidelity, ingestion, models, shadow
 from . import calibrate as calibration
 from . import keys as keyring
 from .adapter import ModelAdapter
@@ -74,6 +74,7 @@ class Prefill:
     served: tuple[guard.Served, ...] = ()
     policy: guard.Policy | None = None
     builder: guard.Builder | None = None
+    judged: tuple[guard.Judged, ...] = ()  # the guard's judgments so far, for a shadow check (shadow.py)
 
     @property
     def prompt_tokens(self) -> int:
@@ -169,6 +170,8 @@ class KVBoost:
         self.predictor = calibration.saved(self, "fidelity")
         self.drift = calibration.saved(self, "drift")
         self._warned_small = False
+        # Online calibration: a share of the guarded answers checked against a full prefill in the background.
+        self.shadow = shadow.Shadow(self, config.shadow_share, config.shadow_share_young, config.shadow_queue)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -297,6 +300,7 @@ class KVBoost:
     def close(self) -> None:
         """Flush and release the store (the disk tier's index is written here), and write any document
         record a full or read-only folder held back."""
+        self.shadow.close()
         self.documents.flush()
         self.store.close()
 
@@ -349,7 +353,8 @@ class KVBoost:
                                  "fewer documents")
             maps = self.drift if chosen.maps_drift and settings.drift else None
             builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock)
-            policy = guard.policy(chosen, settings, p, self.predictor, self.config.store.kv_bits)
+            policy = guard.policy(chosen, settings, p, self.predictor, self.config.store.kv_bits,
+                                  self.config.escalate_to)
             built, watch, served = guard.start(builder, policy)
             ttft_ms = _elapsed_ms(started, built.logits)
             if write_back and (chosen.reuse_exact or chosen.reuse_content):
@@ -358,7 +363,7 @@ class KVBoost:
         return Prefill(p, built.cache, built.logits, built.recomputed_tokens, strategy, started, ttft_ms,
                        None if policy is None else policy.target, 0.0 if watch is None else watch.risk, fell_back,
                        None if policy is None else policy.curve(policy.budget), served[-1].budget, served, policy,
-                       builder)
+                       builder, () if watch is None else tuple(watch.judged))
 
     @torch.inference_mode()
     def _exact_cache(self, token_ids: torch.Tensor, capacity: int) -> tuple[KVBuffers, torch.Tensor]:
@@ -430,7 +435,7 @@ class KVBoost:
         logits, position, finish, cache = pre.logits, pre.prompt_tokens, "length", pre.cache
         # The guard goes on where the prefill left it: every token from a reused cache adds its risk, and before one
         # would pass the target the request climbs its ladder (repair/guard.py) to a cache it can trust.
-        watch = guard.resume(pre.policy, pre.builder, pre.served, pre.risk)
+        watch = guard.resume(pre.policy, pre.builder, pre.served, pre.risk, pre.judged)
         # The lock is taken per step (by the batcher), never across a yield: async callers resume us from
         # other threads. While it decodes, the stream is counted so that a batch waits for its step.
         with self.batcher.decoding():
@@ -453,12 +458,16 @@ class KVBoost:
                         built = watch.climb(text.token_ids)
                         cache, logits = built.cache, built.logits
         served = pre.served if watch is None else tuple(watch.served)
+        risk = pre.risk if watch is None else watch.risk
         tail = text.flush()
+        if pre.policy is not None and pre.policy.acts:  # queued only; run once the engine is idle (shadow.py)
+            self.shadow.offer(shadow.Check(pre.plan.token_ids, tuple(text.token_ids),
+                                           pre.judged if watch is None else tuple(watch.judged), risk), pre.curve)
         result = Generation(
             text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=pre.strategy,
             ttft_ms=pre.ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,
             prompt_tokens=pre.prompt_tokens, reused_tokens=pre.reused_tokens, exact_tokens=pre.exact_tokens,
-            recomputed_tokens=pre.recomputed_tokens, fidelity_estimate=pre.risk if watch is None else watch.risk,
+            recomputed_tokens=pre.recomputed_tokens, fidelity_estimate=risk,
             fell_back=pre.fell_back, exact_from=next((s.first_token for s in served if s.step == guard.FULL), None),
             recompute_budget=pre.recompute_budget, served=served)
         yield StreamPiece(tail, None, result)

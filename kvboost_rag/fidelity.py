@@ -15,10 +15,12 @@ more than it needs to; a request is judged by the curve of its own budget (`Pred
 
 A request's risk is the chance its answer differs from a full prefill's so far,
 1 - prod(1 - P(flip | m_t)) over the tokens served from the reused cache. Before a token would take the risk
-over the request's target, the engine computes the exact cache (a full prefill of the prompt and the tokens so
-far) and decodes from it from then on: the first token's check comes before it is sent, so a request that starts
-unsure falls back to a full prefill (its TTFT is then a full prefill's plus the repair's); a later one costs
-total time, not TTFT.
+over the request's target, the request climbs a ladder (repair/guard.py, where every decision of the guard is
+made): the same plan repaired again at larger budgets, each judged by its own curve, then the exact cache (a full
+prefill of the prompt and the tokens so far), decoded from then on. The first token's check comes before it is
+sent, so a request that starts unsure pays for the steps it tried in its TTFT; a later one costs total time, not
+TTFT. Served answers are also checked against a full prefill in the background, refitting the curves on what
+users ask (shadow.py).
 
 Levels name a target risk per request: "fast" (no guard), "balanced" (BALANCED), "strict" (STRICT), or a
 number in (0, 1). Without a calibration the model's DEFAULT curve serves, a conservative one.
@@ -96,7 +98,11 @@ class Guard:
         return 1.0 - self.survive
 
     def trusts(self, logits: torch.Tensor) -> bool:
-        p = self.predictor.flip_chance(margin(logits))
+        return self.admits(margin(logits))
+
+    def admits(self, token_margin: float) -> bool:
+        """`trusts` for a token whose margin is known."""
+        p = self.predictor.flip_chance(token_margin)
         if 1.0 - self.survive * (1.0 - p) > self.target:
             return False
         self.survive *= 1.0 - p

@@ -12,7 +12,7 @@ The ladder. A guarded request is served from its strategy's repair at its own bu
 trusts each token. Before a token it does not trust, the request climbs:
 
   1. ESCALATE: the same plan assembled again and repaired at a larger budget (the levels' budgets above the
-     request's, then RepairConfig.escalate_to), exact prefix hits kept as they are, then the answer's tokens so far
+     request's, then EngineConfig.escalate_to), exact prefix hits kept as they are, then the answer's tokens so far
      run after the prompt, teacher-forced: they were decoded from the smaller repair, so their K/V must be made
      again against the new cache to be that cache's. The token is judged again, by the curve fitted at the larger
      budget (Predictor.at); the first budget that trusts it serves from there on.
@@ -61,6 +61,19 @@ class Served:
     step: str  # REPAIR, ESCALATE or FULL
     budget: float | None  # the recompute budget its cache was repaired at; 1.0 for FULL; None: unguarded strategy
     recomputed_tokens: int  # prompt tokens its prefill ran through every layer (cacheblend: averaged per layer)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One judgment of the guard: a cache's next-token logits before answer token `index` (what a shadow check
+    compares with a full prefill's, shadow.py)."""
+
+    index: int  # the answer token judged
+    budget: float  # the recompute budget of the cache judged
+    margin: float  # its logits' top-2 margin
+    chance: float  # the flip chance the curve gave it
+    top: int  # its greedy token
+    served: bool  # trusted: the token came from this cache
 
 
 @dataclass(frozen=True)
@@ -133,17 +146,22 @@ class Policy:
     def curve(self, budget: float) -> fidelity.Predictor:
         return self.predictor.at(budget)
 
+    @property
+    def acts(self) -> bool:
+        """Whether the guard may move the request (a finite target; "fast" only measures)."""
+        return math.isfinite(self.target)
 
-def escalations(settings: RepairConfig) -> tuple[float, ...]:
-    """The budgets above the request's that its ladder repairs at: the levels' budgets up to escalate_to, then
-    escalate_to itself."""
-    ceiling, own = settings.escalate_to, settings.budget
+
+def escalations(settings: RepairConfig, ceiling: float) -> tuple[float, ...]:
+    """The budgets above the request's that its ladder repairs at: the levels' budgets below `ceiling`
+    (EngineConfig.escalate_to), then the ceiling itself."""
+    own = settings.budget
     steps = sorted({b for b in LEVEL_BUDGETS.values() if own < b < ceiling} | ({ceiling} if ceiling > own else set()))
     return tuple(steps)
 
 
 def policy(strategy: Strategy, settings: RepairConfig, plan: Plan, predictor: fidelity.Predictor | None,
-           kv_bits: int) -> Policy | None:
+           kv_bits: int, escalate_to: float) -> Policy | None:
     """The guard a request runs under; None when it runs unguarded: a strategy the guard does not watch, or a cache
     that is exact (nothing reused, or exact hits kept at full precision)."""
     if not strategy.guarded:
@@ -153,18 +171,18 @@ def policy(strategy: Strategy, settings: RepairConfig, plan: Plan, predictor: fi
         return None
     target = fidelity.target_of(settings.fidelity)
     return Policy(predictor or fidelity.DEFAULT_PREDICTOR, math.inf if target is None else target, settings.budget,
-                  escalations(settings) if content_hits else ())
+                  escalations(settings, escalate_to) if content_hits else ())
 
 
 class Watch:
     """One request's guard while it is served: its running risk, the steps that served it, the cache to climb to."""
 
-    def __init__(self, policy: Policy, builder: Builder, served: Sequence[Served], risk: float = 0.0):
-        self.policy, self.builder, self.served = policy, builder, list(served)
-        step = self.served[-1]
-        self._guard = fidelity.Guard(policy.curve(policy.budget if step.budget is None else step.budget),
-                                     policy.target)
+    def __init__(self, policy: Policy, builder: Builder, served: Sequence[Served], risk: float = 0.0,
+                 judged: Sequence[Judged] = ()):
+        self.policy, self.builder, self.served, self.judged = policy, builder, list(served), list(judged)
+        self._guard = fidelity.Guard(policy.curve(self.served[-1].budget), policy.target)
         self._guard.survive = 1.0 - risk
+        self._next = sum(j.served for j in self.judged)  # the answer token judged next: one per trusted judgment
 
     @property
     def risk(self) -> float:
@@ -179,7 +197,15 @@ class Watch:
     def trusts(self, logits: torch.Tensor) -> bool:
         """Whether the next token may come from the cache whose next-token logits [V] these are (its risk is then
         counted in)."""
-        return self.exact or self._guard.trusts(logits)
+        return self.exact or self._judge(logits, self.served[-1].budget)
+
+    def _judge(self, logits: torch.Tensor, budget: float) -> bool:
+        margin = fidelity.margin(logits)
+        trusted = self._guard.admits(margin)
+        self.judged.append(Judged(self._next, budget, margin, self._guard.predictor.flip_chance(margin),
+                                  int(logits.argmax()), trusted))
+        self._next += trusted
+        return trusted
 
     def climb(self, answer: Sequence[int]) -> Built:
         """The cache to serve answer token len(answer) from, the one it has refused: the next escalation whose
@@ -191,7 +217,7 @@ class Watch:
         for budget in (b for b in self.policy.escalations if b > below):
             built = self.builder.repaired(budget, answer)
             self._guard.predictor = self.policy.curve(budget)
-            if self._guard.trusts(built.logits):
+            if self._judge(built.logits, budget):
                 self.served.append(Served(first, ESCALATE, budget, built.recomputed_tokens))
                 return built
         built = self.builder.exact(answer)
@@ -213,10 +239,11 @@ def start(builder: Builder, guard: Policy | None) -> tuple[Built, Watch | None, 
     return built, watch, tuple(watch.served)
 
 
-def resume(guard: Policy | None, builder: Builder | None, served: Sequence[Served], risk: float) -> Watch | None:
+def resume(guard: Policy | None, builder: Builder | None, served: Sequence[Served], risk: float,
+           judged: Sequence[Judged] = ()) -> Watch | None:
     """The guard of a stream decoding from a prefill that `start` left at `served` and `risk`; None when nothing
     is left to guard (unguarded, or on a full prefill already). A new Watch per stream: a prefill may be decoded
     more than once."""
     if guard is None or builder is None or served[-1].step == FULL:
         return None
-    return Watch(guard, builder, served, risk)
+    return Watch(guard, builder, served, risk, judged)

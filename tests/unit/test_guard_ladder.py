@@ -6,6 +6,7 @@ which steps the guard trusts; the caches, logits and answers are the model's own
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from kvboost_rag import fidelity
 from kvboost_rag.assembly import APPROX
-from kvboost_rag.config import EngineConfig, RepairConfig
+from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig
 from kvboost_rag.repair import guard
 from kvboost_rag.repair.guard import ESCALATE, FULL, REPAIR, Served
 
@@ -61,11 +62,15 @@ def fast(ratio: float) -> RepairConfig:
 
 
 def test_the_ladders_budgets():
-    assert guard.escalations(RepairConfig()) == (STRICT, 0.3)  # balanced: strict's budget, then escalate_to
-    assert guard.escalations(RepairConfig(fidelity="strict")) == (0.3,)
-    assert guard.escalations(RepairConfig(escalate_to=0.0)) == ()
-    assert guard.escalations(RepairConfig(recompute_ratio=0.5)) == ()  # already above the ceiling
-    assert guard.escalations(RepairConfig(recompute_ratio=0.1, escalate_to=0.2)) == (STRICT, 0.2)
+    ceiling = EngineConfig().escalate_to
+    assert guard.escalations(RepairConfig(), ceiling) == (STRICT, ceiling)  # balanced: strict's budget, the ceiling
+    assert guard.escalations(RepairConfig(fidelity="strict"), ceiling) == (ceiling,)
+    assert guard.escalations(RepairConfig(), 0.0) == ()
+    assert guard.escalations(RepairConfig(recompute_ratio=0.5), ceiling) == ()  # already above the ceiling
+    assert guard.escalations(RepairConfig(recompute_ratio=0.1), 0.2) == (STRICT, 0.2)
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ConfigError, match="escalate_to"):
+            EngineConfig(escalate_to=bad)
 
 
 def test_a_ladder_that_reaches_a_full_prefill_answers_exactly_as_full(engine, prompt):
@@ -96,7 +101,8 @@ def test_a_first_token_refused_at_the_requests_budget_is_served_by_a_larger_repa
                                             repair=fast(STRICT)).token_ids
     assert out.served == pre.served and out.exact_from is None
     # Without escalation the same request falls back at once.
-    straight = engine.prefill(prompt, write_back=False, repair=RepairConfig(escalate_to=0.0))
+    engine.config = dataclasses.replace(engine.config, escalate_to=0.0)
+    straight = engine.prefill(prompt, write_back=False)
     assert straight.fell_back and straight.served == (Served(0, FULL, 1.0, straight.prompt_tokens),)
 
 
