@@ -53,8 +53,13 @@ class EngineLock:
         self._lock = threading.RLock()
         self._owner: int | None = None  # read without the lock: only the owner ever sees its own ident there
         self._depth = 0
+        # Entries holding or waiting for the lock, so that background work (shadow.py) can tell an idle engine.
+        self._wanted = 0
+        self._count = threading.Lock()
 
     def __enter__(self) -> EngineLock:
+        with self._count:
+            self._wanted += 1
         self._lock.acquire()
         self._owner, self._depth = threading.get_ident(), self._depth + 1
         return self
@@ -64,6 +69,13 @@ class EngineLock:
         if self._depth == 0:
             self._owner = None
         self._lock.release()
+        with self._count:
+            self._wanted -= 1
+
+    @property
+    def wanted(self) -> int:
+        """How many entries hold the lock or wait for it (0: nobody needs the engine now)."""
+        return self._wanted
 
     def held_here(self) -> bool:
         return self._owner == threading.get_ident()
@@ -95,6 +107,11 @@ class DecodeBatcher:
         self._decoders = 0
         # "batches" run, "rows" decoded in them, "largest": the most rows one batch had.
         self.counters: collections.Counter[str] = collections.Counter()
+
+    @property
+    def decoders(self) -> int:
+        """Streams decoding now (between their steps too)."""
+        return self._decoders
 
     @contextmanager
     def decoding(self) -> Iterator[None]:

@@ -252,10 +252,28 @@ class EngineConfig:
     # (or on disk, or in Redis), and a request's stored chunks are copied to the device as they are assembled.
     device: str = knob("auto", "where the model runs: 'auto' (CUDA when available, else the CPU), 'cpu', 'cuda' "
                                "or 'cuda:N'; a model handed to KVBoost already loaded stays where it is under 'auto'")
+    # The guard's ladder (repair/guard.py): a cache the request's budget cannot be trusted with is repaired again at
+    # the levels' larger budgets, then this one, before a full prefill; so a model whose cache the default budget
+    # cannot trust still gains at a larger one. An engine's setting, not a request's: RepairConfig stays lean.
+    escalate_to: float = knob(0.3, "the largest recompute budget the fidelity guard repairs a request's cache again "
+                                   "at before a token it cannot trust (the levels' budgets above the request's, then "
+                                   "this), before a full prefill; 0 = straight to a full prefill")
+    # Online calibration (shadow.py): served answers checked against a full prefill once the engine is idle, off
+    # every request's path, refitting the fidelity guard on what users ask.
+    shadow_share: float = knob(0.05, "share of the guarded requests whose answer is checked against a full prefill "
+                                     "in the background, once the engine is idle, to refit the fidelity guard "
+                                     "(0 = none)")
+    shadow_share_young: float = knob(0.25, "that share while the request's flip curve was fitted on few tokens "
+                                           "(shadow.YOUNG_TOKENS)")
+    shadow_queue: int = knob(8, "shadow checks waiting at most; one offered to a full queue is dropped")
 
     def __post_init__(self):
         check_int(self, "ingest_batch_tokens", 1, hint="tokens per ingestion forward")
         check_device(self.device)
+        check_number(self, "escalate_to", 0.0, 1.0, hint="0 falls back to a full prefill without repairing again")
+        check_number(self, "shadow_share", 0.0, 1.0, hint="0 checks no request")
+        check_number(self, "shadow_share_young", 0.0, 1.0, hint="0 checks no request")
+        check_int(self, "shadow_queue", 1, hint="checks waiting at most")
         if not isinstance(self.calibrate, bool):
             raise ConfigError("calibrate", f"EngineConfig.calibrate must be True or False, got {self.calibrate!r}")
         if self.calibration_layout not in LAYOUTS:

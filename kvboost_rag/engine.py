@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -24,17 +23,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import batching, drift, fidelity, ingestion, matching, models
+from . import batching, drift, fidelity, ingestion, matching, models, shadow
 from . import calibrate as calibration
 from . import keys as keyring
 from .adapter import ModelAdapter
 from .assembly import (
-    APPROX,
     COMPUTE,
     EXACT,
     Plan,
     TokenizedPrompt,
-    assemble,
     ingestion_context,
     plan,
     tokenize_prompt,
@@ -43,7 +40,7 @@ from .chunking import chunk_document
 from .config import EngineConfig, RepairConfig, check_doc_context, check_for_model
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
-from .repair import Request, get_strategy
+from .repair import get_strategy, guard
 from .store import make_index, make_store
 from .store.base import KVEntry, KVStore
 from .store.documents import Document
@@ -70,8 +67,14 @@ class Prefill:
     fell_back: bool = False
     curve: fidelity.Predictor | None = None  # the guard's flip curve, for this request's recompute budget
     # The recompute budget the served cache was repaired at (a guarded strategy's: its level's or recompute_ratio,
-    # 1.0 when it fell back to a full prefill); None for the other strategies.
+    # larger when the guard escalated, 1.0 when it fell back to a full prefill); None for the other strategies.
     recompute_budget: float | None = None
+    # The step of the guard's ladder that serves the first token (guard.Served), and what the stream needs to go
+    # on guarding: the request's policy (None: unguarded) and how to build its cache again.
+    served: tuple[guard.Served, ...] = ()
+    policy: guard.Policy | None = None
+    builder: guard.Builder | None = None
+    judged: tuple[guard.Judged, ...] = ()  # the guard's judgments so far, for a shadow check (shadow.py)
 
     @property
     def prompt_tokens(self) -> int:
@@ -112,6 +115,9 @@ class Generation:
     # store (seam tokens fused with the text around a document, and evicted chunks, are computed instead).
     document_tokens: int = 0
     document_tokens_reused: int = 0
+    # Which step of the guard's ladder served each range of the answer's tokens, in order (repair/guard.py): a
+    # step serves from its first_token to the next one's.
+    served: tuple[guard.Served, ...] = ()
 
     @property
     def generated_tokens(self) -> int:
@@ -169,6 +175,8 @@ class KVBoost:
         self.drift = calibration.saved(self, "drift")
         self._warned_small = False
         self._warned_lost: set[str] = set()  # documents whose lost tokens were warned about
+        # Online calibration: a share of the guarded answers checked against a full prefill in the background.
+        self.shadow = shadow.Shadow(self, config.shadow_share, config.shadow_share_young, config.shadow_queue)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -298,6 +306,7 @@ class KVBoost:
     def close(self) -> None:
         """Flush and release the store (the disk tier's index is written here), and write any document
         record a full or read-only folder held back."""
+        self.shadow.close()
         self.documents.flush()
         self.store.close()
 
@@ -351,44 +360,23 @@ class KVBoost:
                                  f"context window ({self.adapter.max_context}); shorten the prompt or retrieve "
                                  "fewer documents")
             maps = self.drift if chosen.maps_drift and settings.drift else None
-            cache = assemble(p, self.adapter, n + max_new_tokens, drift=maps)
-            done = chosen.prefill(Request(self.adapter, p, cache, settings))
-            logits = self.adapter.logits(done.hidden)[-1]
-            guard = self._guard(settings, p) if chosen.guarded else None
-            budget = settings.budget if chosen.guarded else None
-            fell_back = guard is not None and not guard.trusts(logits)
-            # No second repair at a larger budget first: the first tokens refused at balanced's budget were refused
-            # at strict's too, 6 of 7 (docs/method.md, "Escalating the first token").
-            if fell_back:  # its first token cannot be trusted: a full prefill, as `full` computes it
-                cache, logits = self._exact_cache(p.token_ids, n + max_new_tokens)
-                budget = 1.0
-            ttft_ms = _elapsed_ms(started, logits)
+            builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock)
+            policy = guard.policy(chosen, settings, p, self.predictor, self.config.store.kv_bits,
+                                  self.config.escalate_to)
+            built, watch, served = guard.start(builder, policy)
+            ttft_ms = _elapsed_ms(started, built.logits)
             if write_back and (chosen.reuse_exact or chosen.reuse_content):
-                self._write_back(p, cache)
-        risk = 0.0 if guard is None or fell_back else guard.risk
-        return Prefill(p, cache, logits, n if fell_back else done.recomputed_tokens, strategy, started, ttft_ms,
-                       None if guard is None else guard.target, risk, fell_back,
-                       None if guard is None else guard.predictor, budget)
-
-    def _guard(self, settings: RepairConfig, p: Plan) -> fidelity.Guard | None:
-        """The fidelity guard of a request whose cache is not exact (content hits, or quantized KV); None when
-        it is (nothing reused, or exact hits kept at full precision)."""
-        approximate = p.count(APPROX) > 0 or (self.config.store.kv_bits < 16 and p.count(EXACT) > 0)
-        if not approximate:
-            return None
-        curve = (self.predictor or fidelity.DEFAULT_PREDICTOR).at(settings.budget)  # fitted at this request's budget
-        target = fidelity.target_for(settings.fidelity, curve)  # its level's floor, where calibrated
-        return fidelity.Guard(curve, math.inf if target is None else target)
+                self._write_back(p, built.cache)
+        fell_back = served[0].step == guard.FULL
+        return Prefill(p, built.cache, built.logits, built.recomputed_tokens, strategy, started, ttft_ms,
+                       None if policy is None else policy.target, 0.0 if watch is None else watch.risk, fell_back,
+                       None if policy is None else policy.curve(policy.budget), served[-1].budget, served, policy,
+                       builder, () if watch is None else tuple(watch.judged))
 
     @torch.inference_mode()
     def _exact_cache(self, token_ids: torch.Tensor, capacity: int) -> tuple[KVBuffers, torch.Tensor]:
         """A full prefill of `token_ids` [N] into a new cache: (the cache, the next-token logits [V])."""
-        n = token_ids.shape[0]
-        with self.lock:
-            cache = self.adapter.new_buffers(capacity)
-            hidden = self.adapter.run_layers(self.adapter.embed(token_ids), torch.arange(n), cache,
-                                             range(self.adapter.num_layers), n)
-            return cache, self.adapter.logits(hidden[:, -1:])[-1]
+        return guard.exact_cache(self.adapter, self.lock, token_ids, capacity)
 
     @torch.inference_mode()
     def reference_prefill(self, p: Plan, *, max_new_tokens: int = 0) -> Prefill:
@@ -453,13 +441,9 @@ class KVBoost:
                      else None)
         text = TextStream(self.tokenizer, params.stop)
         logits, position, finish, cache = pre.logits, pre.prompt_tokens, "length", pre.cache
-        # The guard goes on where the prefill's left it: every token from the reused cache adds its risk, and
-        # before one would pass the target the answer moves to an exact cache (one full prefill) for good.
-        guard = None
-        if pre.target is not None and not pre.fell_back:
-            guard = fidelity.Guard(pre.curve, pre.target)  # prefill sets the target and its guard's curve together
-            guard.take(pre.logits)  # the first token, trusted by the prefill
-        exact_from, risk = (0 if pre.fell_back else None), pre.risk
+        # The guard goes on where the prefill left it: every token from a reused cache adds its risk, and before one
+        # would pass the target the request climbs its ladder (repair/guard.py) to a cache it can trust.
+        watch = guard.resume(pre.policy, pre.builder, pre.served, pre.risk, pre.judged)
         # The lock is taken per step (by the batcher), never across a yield: async callers resume us from
         # other threads. While it decodes, the stream is counted so that a batch waits for its step.
         with self.batcher.decoding():
@@ -478,17 +462,22 @@ class KVBoost:
                 if step + 1 < params.max_new_tokens:
                     logits = self.batcher.step(cache, token, position)
                     position += 1
-                    if guard is not None and not guard.trusts(logits):
-                        so_far = torch.cat([pre.plan.token_ids, torch.tensor(text.token_ids)])
-                        cache, logits = self._exact_cache(so_far, pre.cache.capacity)
-                        guard, exact_from, risk = None, step + 1, guard.risk
+                    if watch is not None and not watch.trusts(logits):
+                        built = watch.climb(text.token_ids)
+                        cache, logits = built.cache, built.logits
+        served = pre.served if watch is None else tuple(watch.served)
+        risk = pre.risk if watch is None else watch.risk
         tail = text.flush()
+        if pre.policy is not None and pre.policy.acts:  # queued only; run once the engine is idle (shadow.py)
+            self.shadow.offer(shadow.Check(pre.plan.token_ids, tuple(text.token_ids),
+                                           pre.judged if watch is None else tuple(watch.judged), risk), pre.curve)
         result = Generation(
             text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=pre.strategy,
             ttft_ms=pre.ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,
             prompt_tokens=pre.prompt_tokens, reused_tokens=pre.reused_tokens, exact_tokens=pre.exact_tokens,
-            recomputed_tokens=pre.recomputed_tokens, fidelity_estimate=risk if guard is None else guard.risk,
-            fell_back=pre.fell_back, exact_from=exact_from, recompute_budget=pre.recompute_budget,
+            recomputed_tokens=pre.recomputed_tokens, fidelity_estimate=risk,
+            fell_back=pre.fell_back, exact_from=next((s.first_token for s in served if s.step == guard.FULL), None),
+            recompute_budget=pre.recompute_budget, served=served,
             document_tokens=pre.plan.document_tokens, document_tokens_reused=pre.plan.document_tokens_reused)
         yield StreamPiece(tail, None, result)
 

@@ -15,10 +15,12 @@ more than it needs to; a request is judged by the curve of its own budget (`Pred
 
 A request's risk is the chance its answer differs from a full prefill's so far,
 1 - prod(1 - P(flip | m_t)) over the tokens served from the reused cache. Before a token would take the risk
-over the request's target, the engine computes the exact cache (a full prefill of the prompt and the tokens so
-far) and decodes from it from then on: the first token's check comes before it is sent, so a request that starts
-unsure falls back to a full prefill (its TTFT is then a full prefill's plus the repair's); a later one costs
-total time, not TTFT.
+over the request's target, the request climbs a ladder (repair/guard.py, where every decision of the guard is
+made): the same plan repaired again at larger budgets, each judged by its own curve, then the exact cache (a full
+prefill of the prompt and the tokens so far), decoded from then on. The first token's check comes before it is
+sent, so a request that starts unsure pays for the steps it tried in its TTFT; a later one costs total time, not
+TTFT. Served answers are also checked against a full prefill in the background, refitting the curves on what
+users ask (shadow.py).
 
 Levels are held to floors users already accept (issue 41), measured on the calibration prompts: "balanced" lets
 an answer differ from a full prefill's no more often than a full prefill of the same documents in another order
@@ -115,10 +117,13 @@ class Guard:
         return 1.0 - self.survive
 
     def trusts(self, logits: torch.Tensor) -> bool:
-        m = margin(logits)
-        p = self.predictor.flip_chance(m)
+        return self.admits(margin(logits))
+
+    def admits(self, token_margin: float) -> bool:
+        """`trusts` for a token whose margin is known."""
+        p = self.predictor.flip_chance(token_margin)
         if isinstance(self.target, Predictor):
-            q = self.target.flip_chance(m)
+            q = self.target.flip_chance(token_margin)
             allowed = 1.0 - self.floor_survive * (1.0 - q)
         else:
             q, allowed = 0.0, self.target
@@ -127,13 +132,6 @@ class Guard:
         self.survive *= 1.0 - p
         self.floor_survive *= 1.0 - q
         return True
-
-    def take(self, logits: torch.Tensor) -> None:
-        """Count a token already served in (a stream taking its prefill's first token over)."""
-        m = margin(logits)
-        self.survive *= 1.0 - self.predictor.flip_chance(m)
-        if isinstance(self.target, Predictor):
-            self.floor_survive *= 1.0 - self.target.flip_chance(m)
 
 
 def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, budget: float = 0.0) -> Predictor:

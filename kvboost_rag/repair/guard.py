@@ -1,0 +1,263 @@
+"""The fidelity guard's decisions, in one place: whether a request is guarded and by which curve and target,
+whether each token may come from the cache it has, and where the request goes when one may not (the ladder).
+
+The engine builds a request's first cache through `start` and decodes; before each later token it asks its `Watch`
+whether the token may come from the cache it has (`trusts`), and when not, for the next cache (`climb`). It keeps
+only the plumbing: planning, the lock, decoding, streaming.
+
+Guarded: a request of a guarded strategy (repair/protocol.py) whose cache is not exact, that is with content hits,
+or with exact hits read back from quantized KV (see fidelity.py for the curve, the risk and the target).
+
+The ladder. A guarded request is served from its strategy's repair at its own budget (step REPAIR) while the guard
+trusts each token. Before a token it does not trust, the request climbs:
+
+  1. ESCALATE: the same plan assembled again and repaired at a larger budget (the levels' budgets above the
+     request's, then EngineConfig.escalate_to), exact prefix hits kept as they are, then the answer's tokens so far
+     run after the prompt, teacher-forced: they were decoded from the smaller repair, so their K/V must be made
+     again against the new cache to be that cache's. The token is judged again, by the curve fitted at the larger
+     budget (Predictor.at); the first budget that trusts it serves from there on.
+  2. FULL: a full prefill of the prompt and the answer so far, nothing reused: from there the answer continues
+     exactly as a full prefill's would, unguarded.
+
+Why assembled again rather than repaired further in place: cacheblend ranks tokens by their deviation from the K/V
+as assembled, and the served cache holds fresh K/V in some layers for tokens it dropped from the set; a second pass
+over it would rank by a mixture. Assembly only copies stored chunks, small next to a repair.
+
+The first token climbs the same ladder before it is sent (its TTFT then counts every step tried); a later token's
+climb costs total time, not TTFT. A request never climbs down. Only a plan with content hits escalates: a repair
+never recomputes exact hits, so a cache whose only doubt is quantized exact hits goes straight to a full prefill.
+Each step that served tokens is recorded as a `Served`: from which answer token on, which step, at which budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from .. import fidelity
+from ..adapter import ModelAdapter
+from ..assembly import APPROX, EXACT, Plan, assemble
+from ..config import LEVEL_BUDGETS, RepairConfig
+from ..drift import DriftMaps
+from ..kvcache import KVBuffers
+from .protocol import Request, Strategy
+
+# The steps of the ladder, as `Served.step` names them.
+REPAIR = "repair"  # the request's strategy at its own budget (an unguarded strategy's prefill, too)
+ESCALATE = "escalate"  # the same plan repaired again at a larger budget
+FULL = "full"  # a full prefill of the prompt and the answer so far
+
+
+@dataclass(frozen=True)
+class Served:
+    """One step of a request's ladder that served tokens: answer tokens first_token .. (the next step's) - 1."""
+
+    first_token: int  # index into the answer of the first token it served
+    step: str  # REPAIR, ESCALATE or FULL
+    budget: float | None  # the recompute budget its cache was repaired at; 1.0 for FULL; None: unguarded strategy
+    recomputed_tokens: int  # prompt tokens its prefill ran through every layer (cacheblend: averaged per layer)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One judgment of the guard: a cache's next-token logits before answer token `index` (what a shadow check
+    compares with a full prefill's, shadow.py)."""
+
+    index: int  # the answer token judged
+    budget: float  # the recompute budget of the cache judged
+    margin: float  # its logits' top-2 margin
+    chance: float  # the flip chance the curve gave it
+    top: int  # its greedy token
+    served: bool  # trusted: the token came from this cache
+
+
+@dataclass(frozen=True)
+class Built:
+    """A cache made for a request: the prompt, then the answer so far, ready to decode the next token from."""
+
+    cache: KVBuffers
+    logits: torch.Tensor  # [V] fp32, the next-token distribution after the prompt and the answer so far
+    recomputed_tokens: int  # prompt tokens run through every layer (the answer's are not counted)
+
+
+@dataclass(frozen=True)
+class Builder:
+    """How one request's cache is made, at its own budget or a larger one, with the answer so far appended."""
+
+    adapter: ModelAdapter
+    plan: Plan
+    strategy: Strategy
+    settings: RepairConfig
+    drift: DriftMaps | None  # the maps the request's content hits are assembled through (None: none)
+    capacity: int  # prompt and every token the request may generate
+    lock: AbstractContextManager  # the engine's: one forward at a time
+
+    @torch.inference_mode()
+    def repaired(self, budget: float | None = None, answer: Sequence[int] = ()) -> Built:
+        """The plan assembled and prefilled by its strategy, at `budget` (None: the request's settings as they are),
+        then `answer` [T] teacher-forced after the prompt."""
+        settings = self.settings if budget is None else dataclasses.replace(self.settings, recompute_ratio=budget)
+        with self.lock:
+            cache = assemble(self.plan, self.adapter, self.capacity, drift=self.drift)
+            done = self.strategy.prefill(Request(self.adapter, self.plan, cache, settings))
+            hidden = done.hidden if not answer else self._append(cache, answer)  # [1, 1, H]
+            return Built(cache, self.adapter.logits(hidden)[-1], done.recomputed_tokens)
+
+    @torch.inference_mode()
+    def exact(self, answer: Sequence[int] = ()) -> Built:
+        """A full prefill of the prompt and `answer` into a new cache, nothing reused."""
+        token_ids = torch.cat([self.plan.token_ids, torch.tensor(list(answer), dtype=torch.long)])  # [N + T]
+        cache, logits = exact_cache(self.adapter, self.lock, token_ids, self.capacity)
+        return Built(cache, logits, self.plan.num_tokens)
+
+    def _append(self, cache: KVBuffers, answer: Sequence[int]) -> torch.Tensor:
+        """Run `answer` [T] through every layer after the prompt, writing its K/V: the last one's output [1, 1, H]."""
+        n, t = self.plan.num_tokens, len(answer)
+        hidden = self.adapter.run_layers(self.adapter.embed(torch.tensor(list(answer), dtype=torch.long)),
+                                         torch.arange(n, n + t), cache, range(self.adapter.num_layers), n + t)
+        return hidden[:, -1:]
+
+
+@torch.inference_mode()
+def exact_cache(adapter: ModelAdapter, lock: AbstractContextManager, token_ids: torch.Tensor,
+                capacity: int) -> tuple[KVBuffers, torch.Tensor]:
+    """A full prefill of `token_ids` [N] into a new cache: (the cache, the next-token logits [V])."""
+    n = token_ids.shape[0]
+    with lock:
+        cache = adapter.new_buffers(capacity)
+        hidden = adapter.run_layers(adapter.embed(token_ids), torch.arange(n), cache, range(adapter.num_layers), n)
+        return cache, adapter.logits(hidden[:, -1:])[-1]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a guarded request is held to, fixed at its prefill."""
+
+    predictor: fidelity.Predictor  # every fitted curve; a step is judged by the one at its budget (Predictor.at)
+    fidelity: str | float  # the request's level: a floor's curve, or a fixed risk per answer (fidelity.target_for)
+    budget: float  # the request's own recompute budget
+    escalations: tuple[float, ...]  # the larger budgets tried, in order, before a full prefill
+
+    def curve(self, budget: float) -> fidelity.Predictor:
+        return self.predictor.at(budget)
+
+    def target_at(self, budget: float) -> float | fidelity.Predictor:
+        """What a cache repaired at `budget` is held to: its level's floor curve at that budget where calibrated,
+        else a fixed risk per answer; inf: "fast", measured and never acted on."""
+        target = fidelity.target_for(self.fidelity, self.curve(budget))
+        return math.inf if target is None else target
+
+    @property
+    def target(self) -> float | fidelity.Predictor:
+        return self.target_at(self.budget)
+
+    @property
+    def acts(self) -> bool:
+        """Whether the guard may move the request ("fast" only measures)."""
+        return fidelity.target_of(self.fidelity) is not None
+
+
+def escalations(settings: RepairConfig, ceiling: float) -> tuple[float, ...]:
+    """The budgets above the request's that its ladder repairs at: the levels' budgets below `ceiling`
+    (EngineConfig.escalate_to), then the ceiling itself."""
+    own = settings.budget
+    steps = sorted({b for b in LEVEL_BUDGETS.values() if own < b < ceiling} | ({ceiling} if ceiling > own else set()))
+    return tuple(steps)
+
+
+def policy(strategy: Strategy, settings: RepairConfig, plan: Plan, predictor: fidelity.Predictor | None,
+           kv_bits: int, escalate_to: float) -> Policy | None:
+    """The guard a request runs under; None when it runs unguarded: a strategy the guard does not watch, or a cache
+    that is exact (nothing reused, or exact hits kept at full precision)."""
+    if not strategy.guarded:
+        return None
+    content_hits = plan.count(APPROX) > 0
+    if not content_hits and not (kv_bits < 16 and plan.count(EXACT) > 0):
+        return None
+    return Policy(predictor or fidelity.DEFAULT_PREDICTOR, settings.fidelity, settings.budget,
+                  escalations(settings, escalate_to) if content_hits else ())
+
+
+class Watch:
+    """One request's guard while it is served: its running risk, the steps that served it, the cache to climb to."""
+
+    def __init__(self, policy: Policy, builder: Builder, served: Sequence[Served], risk: float = 0.0,
+                 judged: Sequence[Judged] = ()):
+        self.policy, self.builder, self.served, self.judged = policy, builder, list(served), list(judged)
+        budget = self.served[-1].budget
+        self._guard = fidelity.Guard(policy.curve(budget), policy.target_at(budget))
+        self._guard.survive = 1.0 - risk
+        for j in self.judged:  # the floor's risk over the tokens served so far, as the prefill's guard ran it
+            floor = policy.target_at(j.budget)
+            if j.served and isinstance(floor, fidelity.Predictor):
+                self._guard.floor_survive *= 1.0 - floor.flip_chance(j.margin)
+        self._next = sum(j.served for j in self.judged)  # the answer token judged next: one per trusted judgment
+
+    @property
+    def risk(self) -> float:
+        """The chance the answer so far differs from a full prefill's (tokens from a FULL step add nothing)."""
+        return self._guard.risk
+
+    @property
+    def exact(self) -> bool:
+        """Served from a full prefill: nothing left to guard."""
+        return self.served[-1].step == FULL
+
+    def trusts(self, logits: torch.Tensor) -> bool:
+        """Whether the next token may come from the cache whose next-token logits [V] these are (its risk is then
+        counted in)."""
+        return self.exact or self._judge(logits, self.served[-1].budget)
+
+    def _judge(self, logits: torch.Tensor, budget: float) -> bool:
+        margin = fidelity.margin(logits)
+        trusted = self._guard.admits(margin)
+        self.judged.append(Judged(self._next, budget, margin, self._guard.predictor.flip_chance(margin),
+                                  int(logits.argmax()), trusted))
+        self._next += trusted
+        return trusted
+
+    def climb(self, answer: Sequence[int]) -> Built:
+        """The cache to serve answer token len(answer) from, the one it has refused: the next escalation whose
+        logits the guard trusts, else a full prefill. `answer`: the tokens sent so far."""
+        first = len(answer)
+        if self.served[-1].first_token == first:  # refused before serving anything (a first token): not a step
+            self.served.pop()
+        below = self.served[-1].budget if self.served else self.policy.budget
+        for budget in (b for b in self.policy.escalations if b > below):
+            built = self.builder.repaired(budget, answer)
+            self._guard.predictor, self._guard.target = self.policy.curve(budget), self.policy.target_at(budget)
+            if self._judge(built.logits, budget):
+                self.served.append(Served(first, ESCALATE, budget, built.recomputed_tokens))
+                return built
+        built = self.builder.exact(answer)
+        self.served.append(Served(first, FULL, 1.0, built.recomputed_tokens))
+        return built
+
+
+def start(builder: Builder, guard: Policy | None) -> tuple[Built, Watch | None, tuple[Served, ...]]:
+    """A request's first cache: its strategy's prefill, then, when guarded and the first token cannot be trusted
+    there, the ladder. The Watch (None: unguarded) goes on guarding the answer; the steps that serve its first
+    token on."""
+    built = builder.repaired()
+    first = Served(0, REPAIR, builder.settings.budget if builder.strategy.guarded else None, built.recomputed_tokens)
+    if guard is None:
+        return built, None, (first,)
+    watch = Watch(guard, builder, [first])
+    if not watch.trusts(built.logits):
+        built = watch.climb(())
+    return built, watch, tuple(watch.served)
+
+
+def resume(guard: Policy | None, builder: Builder | None, served: Sequence[Served], risk: float,
+           judged: Sequence[Judged] = ()) -> Watch | None:
+    """The guard of a stream decoding from a prefill that `start` left at `served` and `risk`; None when nothing
+    is left to guard (unguarded, or on a full prefill already). A new Watch per stream: a prefill may be decoded
+    more than once."""
+    if guard is None or builder is None or served[-1].step == FULL:
+        return None
+    return Watch(guard, builder, served, risk, judged)

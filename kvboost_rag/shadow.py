@@ -1,0 +1,199 @@
+"""Online calibration: served answers checked against a full prefill in the background, refitting the guard.
+
+Calibration on the corpus (calibrate.py) sees prompts made of documents with no question; what users ask may sit
+elsewhere on the flip curve. So a share of the guarded requests served (EngineConfig.shadow_share, and
+shadow_share_young while the request's curve was fitted on fewer than YOUNG_TOKENS tokens) is checked once its
+response is complete: a full prefill of its prompt and its answer, teacher-forced, gives the token a full prefill
+chooses at every step of the answer. Each judgment the guard made (repair/guard.py: a cache's margin before a token,
+at that cache's budget, trusted or refused) becomes a sample, flipped when that cache's greedy token differs from
+full's. The samples of each budget (the last MAX_SAMPLES) refit that budget's curve after every check, once there
+are fidelity.MIN_TOKENS of them; the engine uses the new curves at once and saves them beside the store
+(KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server or another process on the
+same Redis starts from them. Only requests the guard may move are checked ("fast" answers are not: they asked for
+no guard).
+
+Off the critical path: `offer` only queues (a bounded queue: a check offered to a full one is dropped), and one
+background thread runs the checks, layer by layer, each layer only while the engine is idle: no thread holds or
+waits for its lock, no stream decoding. A request that comes meanwhile waits at most one layer of one check.
+
+Predicted against observed (`figures`): over the tokens served from reused caches, the guard's summed flip chances
+against the flips counted; over the answers, their summed risks (Generation.fidelity_estimate) against those that
+differ from a full prefill's at a served token.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import fidelity
+from .repair.guard import Judged
+
+YOUNG_TOKENS = 512  # a curve fitted on fewer tokens is checked more: four corpus calibrations' worth (8 x 16 each)
+MAX_SAMPLES = 4096  # samples kept per budget: the newest, so the curve follows what is asked now
+IDLE_POLL_S = 0.005  # how often a waiting check looks whether the engine is idle
+LINGER_S = 1.0  # the thread ends once the queue has been empty this long (started again by the next offer)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A served request to check: its prompt and answer, and what the guard judged while serving it."""
+
+    prompt_ids: torch.Tensor  # [N] long
+    answer: tuple[int, ...]  # [T] the tokens sent
+    judged: tuple[Judged, ...]
+    risk: float  # the predicted chance the answer differs from a full prefill's (fidelity_estimate)
+
+
+class Shadow:
+    """One engine's shadow checks: the queue, the thread that runs them, the samples and the figures."""
+
+    def __init__(self, engine, share: float, young_share: float, queue: int, seed: int = 0):
+        self.engine, self.share, self.young_share = engine, share, young_share
+        self._queue: collections.deque[Check] = collections.deque()
+        self._limit = queue
+        self._draw = random.Random(seed)  # which requests are checked: reproducible per engine
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False  # a check is under way
+        self._closed = False
+        self.samples: dict[float, collections.deque[tuple[float, bool]]] = {}  # budget -> (margin, flipped)
+        # checks, dropped, answers/answers_differ, predicted_risk (summed), tokens/flips (served tokens),
+        # predicted_flips (their summed chances), samples, refits
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.predicted_risk = 0.0
+        self.predicted_flips = 0.0
+
+    def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
+        """Queue `check` with the request's share (its curve's: young ones are checked more); whether it was."""
+        share = self.young_share if curve.tokens < YOUNG_TOKENS else self.share
+        if share <= 0 or not check.judged or self._draw.random() >= share:
+            return False
+        with self._changed:
+            if self._closed or len(self._queue) >= self._limit:
+                self.counters["dropped"] += 1
+                return False
+            self._queue.append(check)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="kvboost-shadow", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+        return True
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued check has run; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._queue and not self._running, timeout)
+
+    def close(self) -> None:
+        """Drop what is queued and stop the thread (a check under way ends after its layer)."""
+        with self._changed:
+            self._closed = True
+            self._queue.clear()
+            self._changed.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+
+    def figures(self) -> dict[str, float]:
+        """Predicted against observed, for /metrics and `store stats`: per served token and per answer."""
+        c = self.counters
+        return {"checks": c["checks"], "dropped": c["dropped"], "refits": c["refits"], "samples": c["samples"],
+                "tokens": c["tokens"], "predicted_flips": self.predicted_flips, "observed_flips": c["flips"],
+                "answers": c["answers"], "predicted_differ": self.predicted_risk,
+                "observed_differ": c["answers_differ"], "errors": c["errors"]}
+
+    # ---- the thread --------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._queue or self._closed, LINGER_S)
+                if self._closed or not self._queue:
+                    self._thread = None
+                    self._changed.notify_all()
+                    return
+                check, self._running = self._queue.popleft(), True
+            try:
+                self._learn(check, self._full_tops(check))
+            except _Closed:
+                pass
+            except Exception as e:  # noqa: BLE001 - a failed check (a full disk, say) must not end the checks
+                self.counters["errors"] += 1
+                warnings.warn(f"kvboost-rag: a shadow check failed and was skipped: {e!r}", stacklevel=1)
+            finally:
+                with self._changed:
+                    self._running = False
+                    self._changed.notify_all()
+
+    def _idle_lock(self):
+        """The engine's lock, taken once the engine is idle (waiting while it is not)."""
+        engine = self.engine
+        while engine.lock.wanted or engine.batcher.decoders:
+            if self._closed:
+                raise _Closed
+            time.sleep(IDLE_POLL_S)
+        return engine.lock
+
+    @torch.inference_mode()
+    def _full_tops(self, check: Check) -> torch.Tensor:
+        """A full prefill of the prompt and the answer, one layer at a time, each while the engine is idle: full's
+        greedy token before each answer token and after the last. [T + 1]"""
+        adapter = self.engine.adapter
+        ids = torch.cat([check.prompt_ids, torch.tensor(check.answer, dtype=torch.long)])  # [N + T]
+        n, total = check.prompt_ids.numel(), ids.numel()
+        positions, cache = torch.arange(total), adapter.new_buffers(total)
+        with self._idle_lock():
+            hidden = adapter.embed(ids)  # [1, N + T, H]
+        for layer in range(adapter.num_layers):
+            with self._idle_lock():
+                hidden = adapter.run_layers(hidden, positions, cache, range(layer, layer + 1), total)
+        with self._idle_lock():
+            return adapter.logits(hidden[:, n - 1:]).argmax(-1).cpu()
+
+    def _learn(self, check: Check, full_tops: torch.Tensor) -> None:
+        """Count the check in, add its samples, refit the budgets it touched and hand the engine the new curves."""
+        flips = [judged.top != int(full_tops[judged.index]) for judged in check.judged]
+        served = [(judged, flip) for judged, flip in zip(check.judged, flips, strict=True) if judged.served]
+        self.counters.update(checks=1, answers=1, samples=len(flips), tokens=len(served),
+                             flips=sum(flip for _, flip in served), answers_differ=any(flip for _, flip in served))
+        self.predicted_risk += check.risk
+        self.predicted_flips += sum(judged.chance for judged, _ in served)
+        for judged, flip in zip(check.judged, flips, strict=True):
+            self.samples.setdefault(judged.budget, collections.deque(maxlen=MAX_SAMPLES)).append((judged.margin, flip))
+        engine = self.engine
+        predictor = engine.predictor or fidelity.DEFAULT_PREDICTOR
+        refitted = False
+        for budget in sorted({judged.budget for judged in check.judged}):
+            samples = self.samples[budget]
+            if len(samples) >= fidelity.MIN_TOKENS:
+                margins, flipped = zip(*samples, strict=True)
+                predictor = with_curve(predictor, fidelity.fit(margins, flipped, predictor.documents, budget))
+                refitted = True
+        if refitted:
+            engine.set_predictor(predictor)
+            self.counters["refits"] += 1
+
+
+class _Closed(Exception):
+    """The shadow was closed while a check waited for the engine."""
+
+
+def with_curve(predictor: fidelity.Predictor, curve: fidelity.Predictor) -> fidelity.Predictor:
+    """`predictor` with the curve at `curve.budget` replaced by `curve` (added when it has none there); the main
+    curve stays first, the corpus size it was fitted for stays its own (calibrate.due reads it), and the floors'
+    curves at that budget stay the corpus calibration's (a shadow check runs no floor)."""
+    before = {c.budget: c for c in (predictor, *predictor.others)}
+    curve = dataclasses.replace(curve, floors=before[curve.budget].floors if curve.budget in before else None)
+    curves = [c for c in (predictor, *predictor.others) if c.budget != curve.budget] + [curve]
+    main = curve if curve.budget == predictor.budget else curves[0]
+    main = fidelity.Predictor(main.intercept, main.slope, main.tokens, main.flips, predictor.documents, main.budget,
+                              floors=main.floors)
+    return main.with_others([c for c in curves if c is not main and c.budget != main.budget])

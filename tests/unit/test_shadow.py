@@ -1,0 +1,169 @@
+"""Online calibration (shadow.py) on a tiny random Llama: served answers checked against a full prefill in the
+background correct a wrong curve, and never delay a response."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+
+import pytest
+import torch
+
+from kvboost_rag import fidelity
+from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
+from kvboost_rag.shadow import with_curve
+
+TOKENS = 16
+BALANCED = 0.07
+FAST = RepairConfig(fidelity="fast")  # the same repair, unguarded
+
+
+def corpus() -> list[str]:
+    return [f"{town} is a harbour town of {1000 + 37 * i} people. Its mayor is {name} and its bridge was built "
+            f"in {1800 + 11 * i}." for i, (town, name) in enumerate([("Brekkvik", "Ingrid"), ("Osterlund", "Tomas"),
+                                                                    ("Dovrino", "Mira"), ("Sarrento", "Edda")])]
+
+
+def prompts(count: int) -> list[list[dict]]:
+    """`count` prompts, each the corpus in another order with another question: what users ask."""
+    orders = itertools.islice(itertools.permutations(corpus()), count)
+    return [[{"role": "user", "content": "\n\n".join(order) + f"\n\nQuestion: What happened in year {1800 + i}?"}]
+            for i, order in enumerate(orders)]
+
+
+# A deliberately wrong curve: the repaired cache never flips a token, whatever its margin.
+NEVER_FLIPS = fidelity.Predictor(-30.0, 0.0, budget=BALANCED)
+
+
+@pytest.fixture
+def engine(make_tiny_engine, tmp_path):
+    """Guarded (balanced), every answer checked, the wrong curve in place."""
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0,
+                                           store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    engine.ingest(corpus())
+    engine.predictor = NEVER_FLIPS
+    yield engine
+    engine.close()
+
+
+def test_checks_of_served_answers_correct_a_wrong_curve_within_a_few_checks(engine, make_tiny_engine, tmp_path):
+    checks_needed = math.ceil(fidelity.MIN_TOKENS / TOKENS)  # 2: each check of 16 served tokens refits from there
+    served = []
+    for i, prompt in enumerate(prompts(checks_needed)):
+        served.append(engine.generate(prompt, max_new_tokens=TOKENS, write_back=False))
+        assert engine.shadow.drain(timeout=60)
+        assert engine.shadow.figures()["refits"] == (1 if i + 1 == checks_needed else 0)
+    # Under the wrong curve every token came from the repaired cache, each predicted never to flip.
+    assert all(out.generated_tokens == TOKENS and len(out.served) == 1 and out.served[0].step == "repair"
+               for out in served)
+    figures = engine.shadow.figures()
+    assert figures["checks"] == checks_needed and figures["tokens"] == checks_needed * TOKENS
+    assert figures["predicted_flips"] < 1e-6 and figures["predicted_differ"] < 1e-6
+    # What the checks saw, recomputed here: the repaired cache's greedy tokens against full prefills of each prompt
+    # and its answer, teacher-forced.
+    flips, margins = 0, []
+    for prompt, out in zip(prompts(checks_needed), served, strict=True):
+        full = engine.prefill(prompt, "full", max_new_tokens=TOKENS, write_back=False)
+        truth = torch.cat([full.logits[None], engine.continuation_logits(full, out.token_ids[:-1])]).argmax(-1)
+        cached = engine.prefill(prompt, max_new_tokens=TOKENS, write_back=False, repair=FAST)
+        logits = torch.cat([cached.logits[None], engine.continuation_logits(cached, out.token_ids[:-1])])  # [T, V]
+        flips += int((logits.argmax(-1) != truth).sum())
+        margins += [fidelity.margin(row) for row in logits]
+    assert figures["observed_flips"] == flips > 0  # this model's repaired cache does flip tokens
+    assert figures["observed_differ"] >= 1
+    # The refitted curve, judged on the same tokens, predicts about as many flips as were seen.
+    curve = engine.predictor.at(BALANCED)
+    assert curve.budget == BALANCED and curve.tokens == checks_needed * TOKENS and curve.flips == flips
+    assert sum(curve.flip_chance(m) for m in margins) == pytest.approx(flips, abs=0.5)
+    # The guard now acts on what it sees: the next request no longer comes from the repair alone.
+    after = engine.generate(prompts(checks_needed + 1)[-1], max_new_tokens=TOKENS, write_back=False)
+    assert [step.step for step in after.served] != ["repair"]
+    # Saved beside the store: the next engine on this folder starts from it.
+    again = make_tiny_engine(EngineConfig(calibrate=False, store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    assert again.predictor == engine.predictor
+
+
+CHECK_S = 1.5  # a check made slow on purpose: one run inline would add this to a response
+
+
+def test_shadow_checks_never_delay_a_response(engine, monkeypatch):
+    real = engine.shadow._full_tops
+
+    def slow(check):  # slower than any response here; outside the lock, as a long check between its layers is
+        time.sleep(CHECK_S)
+        return real(check)
+
+    monkeypatch.setattr(engine.shadow, "_full_tops", slow)
+    asked = prompts(7)
+    engine.shadow.share = engine.shadow.young_share = 0.0
+    for prompt in asked[:2]:  # warm up: the first calls of a process are slower
+        engine.generate(prompt, max_new_tokens=4, write_back=False)
+
+    def serve(prompt) -> tuple[float, float]:
+        started = time.perf_counter()
+        out = engine.generate(prompt, max_new_tokens=4, write_back=False)
+        return out.ttft_ms, (time.perf_counter() - started) * 1e3
+
+    off = [serve(prompt) for prompt in asked[2:4]]
+    engine.shadow.share = engine.shadow.young_share = 1.0
+    on = [serve(prompt) for prompt in asked[4:7]]
+    assert engine.shadow.figures()["checks"] < 3  # they run later, in the background
+    assert max(total for _, total in on) < CHECK_S * 1e3 / 2  # no response waited for a check
+    assert statistics.median(t for t, _ in on) < statistics.median(t for t, _ in off) + CHECK_S * 1e3 / 3
+    assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["checks"] == 3  # and they did run
+
+
+def test_only_a_share_is_checked_and_a_full_queue_drops(make_tiny_engine):
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=0.0, shadow_share_young=1.0,
+                                           shadow_queue=1), guarded=True)
+    engine.ingest(corpus())
+    young = fidelity.Predictor(-30.0, 0.0, budget=BALANCED)
+    grown = fidelity.Predictor(-30.0, 0.0, tokens=10_000, budget=BALANCED)
+    engine.predictor = grown  # fitted on many tokens: the share, 0 here
+    engine.generate(prompts(1)[0], max_new_tokens=2, write_back=False)
+    assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["checks"] == 0
+    engine.predictor = young  # young: the young share, every request
+    engine.lock.__enter__()  # the engine busy: the first check waits for it, the second in the queue, the third
+    try:                       # finds the queue full
+        for prompt in prompts(4)[1:]:
+            engine.generate(prompt, max_new_tokens=2, write_back=False)
+        assert engine.shadow.figures()["dropped"] == 1 and engine.shadow.figures()["checks"] == 0
+    finally:
+        engine.lock.__exit__(None, None, None)
+    assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["checks"] == 2
+    engine.close()
+
+
+def test_a_refit_curve_replaces_its_budgets_and_keeps_the_rest():
+    main = fidelity.Predictor(0.0, -2.0, 128, 10, documents=40, budget=0.07)
+    strict = fidelity.Predictor(0.5, -2.0, 128, 9, documents=40, budget=0.15)
+    both = main.with_others([strict])
+    new = fidelity.Predictor(-1.0, -3.0, 64, 4, budget=0.15)
+    replaced = with_curve(both, new)
+    assert replaced.at(0.07) == main.with_others([new]) and replaced.at(0.15) == new
+    again = with_curve(both, fidelity.Predictor(-1.0, -3.0, 64, 4, budget=0.07))
+    assert again.intercept == -1.0 and again.documents == 40 and again.others == (strict,)
+    added = with_curve(fidelity.DEFAULT_PREDICTOR, new)
+    assert added.at(0.0) == fidelity.DEFAULT_PREDICTOR.with_others([new]) and added.at(0.2) == new
+
+
+@pytest.mark.parametrize("field,value", [("shadow_share", 1.5), ("shadow_share", math.nan),
+                                         ("shadow_share_young", -0.1), ("shadow_queue", 0)])
+def test_shadow_settings_are_checked(field, value):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_an_online_refit_keeps_the_floors_its_level_is_held_to():
+    """A shadow check refits the request's own curve; the order and dtype floors' curves at that budget were measured
+    by the corpus calibration and stay (else balanced would fall back to a fixed 15% after the first refit)."""
+    from dataclasses import replace
+
+    floors = (fidelity.Predictor(0.5, -1.0, 64, 20, 40, 0.07), fidelity.Predictor(-3.0, -1.0, 64, 1, 40, 0.07))
+    main = replace(fidelity.Predictor(0.0, -2.0, 64, 10, 40, 0.07), floors=floors)
+    predictor = main.with_others([fidelity.Predictor(0.0, -2.5, 64, 8, 40, 0.15)])
+    refit = with_curve(predictor, fidelity.Predictor(1.0, -1.5, 40, 12, 0, 0.07))
+    assert (refit.intercept, refit.slope, refit.documents) == (1.0, -1.5, 40) and refit.floors == floors
+    assert fidelity.target_for("balanced", refit.at(0.07)) == floors[0]
