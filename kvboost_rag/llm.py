@@ -205,6 +205,8 @@ def request_figures(result: Generation) -> dict[str, Any]:
     return {"strategy": result.strategy, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms,
             "reused_tokens": result.reused_tokens, "exact_tokens": result.exact_tokens,
             "document_tokens": result.document_tokens, "document_tokens_reused": result.document_tokens_reused,
+            # which step of the guard's ladder served which tokens: [{first_token, step, budget, ...}, ...]
+            "served": [dataclasses.asdict(step) for step in result.served],
             "recomputed_tokens": result.recomputed_tokens, "fidelity_estimate": result.fidelity_estimate,
             "recompute_budget": result.recompute_budget, "fell_back": result.fell_back, "exact_from": result.exact_from}
 

@@ -19,7 +19,9 @@ COLUMNS = [  # (key, header, format)
     ("prompt_tokens", "prompt tok", "{:.0f}"),
     ("total_ms", "total ms", "{:.0f}"),
     ("fidelity_estimate", "P(differs)", "{:.3f}"),
+    ("differs", "differs", "{:.3f}"),
     ("fell_back", "fell back", "{:.2f}"),
+    ("escalated", "escalated", "{:.2f}"),
     ("switched", "switched", "{:.2f}"),
 ]
 

@@ -171,6 +171,10 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
             "fidelity_estimate": sample.result.fidelity_estimate,
             "fell_back": float(sample.result.fell_back),
             "switched": float(sample.result.exact_from is not None and not sample.result.fell_back),
+            # the ladder (repair/guard.py): some tokens served by a larger repair before any full prefill
+            "escalated": float(any(s.step == "escalate" for s in sample.result.served)),
+            # the whole answer differs from full's: what fidelity_estimate predicts
+            "differs": float(sample.token_ids != full.token_ids),
             "agreement": float(sample.token_ids[:agree_tokens] == full.token_ids[:agree_tokens]),
             "first_token_kl": float(per_token[0]),
             "continuation_kl": float(per_token.mean()),
@@ -195,7 +199,7 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
         }
         for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "recompute_fraction",
                     "reuse_fraction", "document_reuse", "prompt_tokens", "fidelity_estimate", "fell_back",
-                    "switched"):
+                    "switched", "escalated", "differs"):
             values = [r[key] for r in rows if key in r]
             entry[key] = statistics.fmean(values) if values else None
         summary[label] = entry
