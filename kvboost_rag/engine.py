@@ -352,13 +352,16 @@ class KVBoost:
         started = time.perf_counter()
         settings = check_for_model(repair or self.config.repair, self.adapter.num_layers)
         chosen = get_strategy(strategy)
+        # Rendered, tokenized and planned before the lock, which guards the forwards: the tokenizer, the document index
+        # and the store are thread-safe, and a long prompt's preparation must not delay other requests' prefills and
+        # decode steps (issue 40).
+        p = self.plan(prompt, strategy)
+        n = p.num_tokens
+        if n + max_new_tokens > self.adapter.max_context:
+            raise ValueError(f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's "
+                             f"context window ({self.adapter.max_context}); shorten the prompt or retrieve "
+                             "fewer documents")
         with self.lock:
-            p = self.plan(prompt, strategy)
-            n = p.num_tokens
-            if n + max_new_tokens > self.adapter.max_context:
-                raise ValueError(f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's "
-                                 f"context window ({self.adapter.max_context}); shorten the prompt or retrieve "
-                                 "fewer documents")
             maps = self.drift if chosen.maps_drift and settings.drift else None
             builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock)
             policy = guard.policy(chosen, settings, p, self.predictor, self.config.store.kv_bits,

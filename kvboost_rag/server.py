@@ -17,192 +17,60 @@ guard's fidelity_estimate, recompute_budget, fell_back and exact_from); `fidelit
 `usage.prompt_tokens_details.cached_tokens` is OpenAI's name for the reused tokens.
 
 `create_app(engine, api_key=...)` makes every /v1/* route and /metrics require `Authorization: Bearer KEY`
-(/health stays open); `max_requests` bounds the requests running the model at once. Both, and the metrics,
-are in server_gate.py.
+(/health stays open); `max_requests` bounds the requests running the model at once; `max_body_bytes` and
+`max_prompt_bytes` bound a request's body and its text (defaults follow the model's context window). The key,
+the body's bound, the slots and the metrics are in server_gate.py; what a request may hold, and every check made
+of it before the engine sees it (its settings included: every RepairConfig field can be given per request), in
+server_requests.py.
 
-Errors come in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad input
-(what the engine refuses with a ValueError, or what this server does not support), 404 for another
-model's name or an unknown route, 401 for a missing or wrong API key (code "invalid_api_key"), 429 when
-`max_requests` requests are in flight already (code "queue_full", with a Retry-After header).
+Errors come in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad input (what the
+engine's checks refuse, a message OpenAI would refuse, or what this server does not support; param names the
+field, e.g. messages[0].role), 404 for another model's name or an unknown route, 401 for a missing or wrong API key
+(code "invalid_api_key"), 413 for a body or a text over its bound (code "request_too_large"), 429 when
+`max_requests` requests are in flight already (code "queue_full", with a Retry-After header). A request is
+checked in full before it takes a slot: a malformed one never holds one.
 
 Every engine step (the prefill, then one decode step) runs on a worker thread of the engine's pool
 (`serving.astream_pieces`), so the event loop stays free, and concurrent requests' decode steps run as one
-batched forward (`batching.py`); a stream whose client goes away is closed after the step it is in.
+batched forward (`batching.py`); a stream whose client goes away is closed after the step it is in. A prompt is
+rendered and tokenized on that thread outside the engine's lock, so that it never delays another request's
+forward.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from .config import ConfigError
 from .engine import Generation, KVBoost, StreamPiece
 from .llm import request_figures
-from .server_gate import DEFAULT_MAX_REQUESTS, Gate, ServerMetrics, error_body
+from .server_gate import DEFAULT_MAX_REQUESTS, Gate, QueueFull, ServerMetrics, error_body
+from .server_requests import (
+    APIError,
+    Call,
+    ChatRequest,
+    CompletionRequest,
+    DocumentsRequest,
+    chat_messages,
+    check_documents,
+    limits_for,
+    make_call,
+    prompt_text,
+)
 from .serving import astream_pieces
-
-# OpenAI's default is "up to the context window"; the engine reserves room for the answer before the
-# prefill, so a bound is needed. A request over the window is refused saying so.
-DEFAULT_MAX_TOKENS = 256
-# OpenAI's default sampling (temperature 1); send temperature=0 for greedy answers.
-DEFAULT_TEMPERATURE = 1.0
 
 # The engine's names for the settings it refuses (ConfigError.field) -> the request's names.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
-
-
-# ---- requests --------------------------------------------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    """What both completion routes take. Unknown fields are kept so that the ones that would change the
-    answer, unsupported here, are refused by name instead of silently ignored (see _UNSUPPORTED)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # not OpenAI's, but a common extension
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    strategy: str | None = None  # kvboost: how the prompt's KV is reused (kvboost_rag.repair.names())
-    fidelity: str | float | None = None  # kvboost: RepairConfig.fidelity for this request ("fast", "strict", ...)
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    text: str | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[TextPart] | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[Message]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str]
-
-
-class DocumentsRequest(BaseModel):
-    documents: list[str]
-    pin: bool = False
-
-
-# Request fields that would change the answer and that this server does not implement, with the value
-# each may have anyway (their "off" value, as clients often send it explicitly).
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none"), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}),
-}
-
-
-class APIError(Exception):
-    """A request refused with OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-
-def _refuse_unsupported(request: _Sampling) -> None:
-    if request.n not in (None, 1):
-        raise APIError(400, f"n={request.n} is not supported: this server returns one choice per request; "
-                            "send n=1 (or leave it out) and make several requests", param="n")
-    for name, value in (request.model_extra or {}).items():
-        allowed = _UNSUPPORTED.get(name)
-        if allowed is not None and value not in allowed:
-            raise APIError(400, f"{name}={value!r} is not supported by kvboost-rag's server; leave it out",
-                           param=name)
-
-
-def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
-    """OpenAI takes one stop string or a list; the engine takes a list."""
-    if stop is None:
-        return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
-
-
-def _chat_messages(messages: list[Message]) -> list[dict]:
-    """The request's messages as the chat template takes them: text content only."""
-    if not messages:
-        raise APIError(400, "messages is empty: send at least one message", param="messages")
-    chat = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise APIError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(part.text for part in content)
-        # Chat templates know "system"; OpenAI's newer "developer" role means the same.
-        role = "system" if message.role == "developer" else message.role
-        chat.append({"role": role, "content": content or ""})
-    return chat
-
-
-def _prompt_text(prompt: str | list[str]) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if len(prompt) != 1:
-        raise APIError(400, f"prompt holds {len(prompt)} prompts: send one prompt per request", param="prompt")
-    return prompt[0]
-
-
-@dataclass(frozen=True)
-class Call:
-    """One request, checked: what to send `KVBoost.stream` and how to answer."""
-
-    prompt: str | list[dict]
-    options: dict  # KVBoost.stream keyword arguments
-    stream: bool
-    include_usage: bool
-
-
-def _call(request: _Sampling, prompt: str | list[dict], max_tokens: int | None) -> Call:
-    _refuse_unsupported(request)
-    options = dict(max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-                   temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
-                   top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k or 0,
-                   stop=_stop(request.stop), seed=request.seed)
-    if request.strategy is not None:  # else the engine's default
-        options["strategy"] = request.strategy
-    if request.fidelity is not None:
-        options["fidelity"] = request.fidelity
-    include_usage = bool(request.stream and request.stream_options and request.stream_options.include_usage)
-    return Call(prompt, options, bool(request.stream), include_usage)
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -247,16 +115,10 @@ CHAT, TEXT = _Kind(chat=True), _Kind(chat=False)
 # ---- stepping the engine ---------------------------------------------------------------------------
 
 
-def _pieces(engine: KVBoost, call: Call) -> Iterator[StreamPiece]:
-    # Called on an engine worker thread at the first step: the checks and the prefill never block the loop.
-    options = dict(call.options)
-    if "fidelity" in options:  # a ConfigError (400) names the field when the value is out of range
-        options["repair"] = dataclasses.replace(engine.config.repair, fidelity=options.pop("fidelity"))
-    yield from engine.stream(call.prompt, **options)
-
-
 def _open(engine: KVBoost, call: Call) -> AsyncIterator[StreamPiece]:
-    return astream_pieces(engine, _pieces(engine, call))
+    # The stream's first step, on an engine worker thread, renders and tokenizes the prompt and prefills it: none of
+    # it blocks the event loop (call.options were checked on it already, in make_call).
+    return astream_pieces(engine, engine.stream(call.prompt, **call.options))
 
 
 async def _prepend(first: StreamPiece, rest: AsyncIterator[StreamPiece]) -> AsyncIterator[StreamPiece]:
@@ -369,55 +231,87 @@ def _describe(error: ValueError) -> tuple[int, str, str, str | None]:
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    """FastAPI's list of validation errors as one line, and the first field it names."""
+    """FastAPI's list of validation errors as one line, and the first field it names (OpenAI's way: messages[0])."""
     parts, param = [], None
     for item in error.errors():
-        loc = [str(x) for x in item.get("loc", ()) if x != "body"]
-        param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {item.get('msg', 'invalid')}")
+        loc = [x for x in item.get("loc", ()) if x != "body"]
+        path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+        if param is None and loc:
+            head = [str(loc[0])]  # the field, and the indices right after it (not pydantic's union branch names)
+            for x in loc[1:]:
+                if not isinstance(x, int):
+                    break
+                head.append(f"[{x}]")
+            param = "".join(head)
+        parts.append(f"{path or 'body'}: {item.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(parts), param
+
+
+class _ErrorResponse(JSONResponse):
+    """An error in OpenAI's shape, in ASCII JSON: a message that quotes the request (a model's name, a field's
+    value) may hold a lone surrogate, which JSON escapes but UTF-8 cannot encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+        return _ErrorResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, e: QueueFull) -> JSONResponse:
+        return _ErrorResponse(error_body(str(e), "rate_limit_error", None, "queue_full"), status_code=429,
+                              headers={"Retry-After": str(e.retry_after_s)})
 
     @app.exception_handler(ValueError)
     async def bad_input(_: Request, e: ValueError) -> JSONResponse:
         status, message, type, param = _describe(e)
-        return JSONResponse(error_body(message, type, param), status_code=status)
+        return _ErrorResponse(error_body(message, type, param), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(e)
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return _ErrorResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+        return _ErrorResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+
+def _take_slot(http: Request) -> None:
+    """Hold one of the server's max_requests slots from here to the response's end (server_gate.Slot), or 429."""
+    slot = http.scope.get("kvboost.slot")
+    if slot is not None:
+        slot.take()
 
 
 # ---- the app ---------------------------------------------------------------------------------------
 
 
 def create_app(engine: KVBoost, *, model_name: str | None = None, api_key: str | None = None,
-               max_requests: int = DEFAULT_MAX_REQUESTS) -> FastAPI:
+               max_requests: int = DEFAULT_MAX_REQUESTS, max_prompt_bytes: int | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` under `model_name` (default: the engine's model id).
 
     api_key: when given, the bearer token every /v1/* route and /metrics require (None: no key).
     max_requests: the requests running the model at once (prefill or decoding, streamed or not); one more gets 429.
+    max_prompt_bytes, max_body_bytes: the most UTF-8 bytes of text a request (or one document) may hold, and the most
+    bytes its body may; over either, 413. None: follow the model's context window (server_requests.limits_for).
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key is empty: give a key, or None for no key")
     if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
         raise ValueError(f"max_requests must be a whole number >= 1, got {max_requests!r}")
+    limits = limits_for(engine, max_prompt_bytes, max_body_bytes)
     metrics = ServerMetrics(engine, max_requests)
     server = _Server(engine, model_name or engine.model_id, metrics)
     app = FastAPI(title="kvboost-rag", summary="OpenAI-compatible API over reused document KV caches")
     _install_error_handlers(app)
-    app.add_middleware(Gate, routes=app.router.routes, metrics=metrics, api_key=api_key, max_requests=max_requests)
+    app.add_middleware(Gate, routes=app.router.routes, metrics=metrics, api_key=api_key, max_requests=max_requests,
+                       max_body_bytes=limits.max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict:
@@ -437,20 +331,28 @@ def create_app(engine: KVBoost, *, model_name: str | None = None, api_key: str |
         server.check_model(model)
         return server.model_card()
 
+    # Each route checks its request in full, on the event loop and before any tokenizing, then takes a slot.
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatRequest):
+    async def chat_completions(request: ChatRequest, http: Request):
         server.check_model(request.model)
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
-            else request.max_tokens
-        return await server.complete(CHAT, _call(request, _chat_messages(request.messages), max_tokens))
+        newer = request.max_completion_tokens is not None
+        call = make_call(request, chat_messages(request.messages, limits), engine, limits,
+                         max_tokens=request.max_completion_tokens if newer else request.max_tokens,
+                         max_tokens_name="max_completion_tokens" if newer else "max_tokens")
+        _take_slot(http)
+        return await server.complete(CHAT, call)
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
+    async def completions(request: CompletionRequest, http: Request):
         server.check_model(request.model)
-        return await server.complete(TEXT, _call(request, _prompt_text(request.prompt), request.max_tokens))
+        call = make_call(request, prompt_text(request.prompt, limits), engine, limits, max_tokens=request.max_tokens)
+        _take_slot(http)
+        return await server.complete(TEXT, call)
 
     @app.post("/v1/documents")
-    async def documents(request: DocumentsRequest) -> dict:
+    async def documents(request: DocumentsRequest, http: Request) -> dict:
+        check_documents(request.documents, limits)
+        _take_slot(http)
         return await server.ingest(request)
 
     return app

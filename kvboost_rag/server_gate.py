@@ -1,7 +1,8 @@
-"""What stands in front of the HTTP server's routes (server.py): the API key, the bound on requests in flight,
-and the Prometheus metrics `GET /metrics` exposes.
+"""What stands in front of the HTTP server's routes (server.py): the API key, the bound on a request's body, the
+bound on requests in flight, and the Prometheus metrics `GET /metrics` exposes.
 
-`Gate`, one ASGI middleware, checks the key, applies the bound and counts every request by route and status.
+`Gate`, one ASGI middleware, checks the key and the body's size, hands the routes that run the model their `Slot`,
+and counts every request by route and status.
 `ServerMetrics` keeps the metrics in a registry of the app's own (not prometheus_client's global one), so several
 apps in one process never collide.
 
@@ -10,9 +11,13 @@ in constant time, and a missing or wrong key gets 401 (code "invalid_api_key"). 
 and load balancers. /metrics is protected too: traffic and store figures are the operator's, and a scraper
 can send the key as a bearer token (Prometheus' `authorization` setting).
 
-The bound: a request to a route that runs the model (POST /v1/chat/completions, /v1/completions, /v1/documents)
-holds a slot from its arrival until its response ends, streamed or not, or until its client goes away. A request
-that arrives while `max_requests` slots are held gets 429 at once (code "queue_full", a Retry-After header)
+The body: one over `max_body_bytes` gets 413 (code "request_too_large") before it is read when its Content-Length
+says so, else as soon as that many bytes have come; no route, parser or tokenizer sees it (issue 40).
+
+The bound on requests in flight: a request to a route that runs the model (POST /v1/chat/completions,
+/v1/completions, /v1/documents) takes a slot (`Slot.take`, called by the route once the request is checked, so that
+a malformed one never holds one) and holds it until its response ends, streamed or not, or until its client goes
+away. A request that finds `max_requests` slots held gets 429 at once (code "queue_full", a Retry-After header)
 instead of waiting, unbounded, behind them.
 
 The metrics (prefix kvboost_): requests_total{route, status}; requests_in_flight and max_requests (gauges);
@@ -23,6 +28,7 @@ ran to their end; store_bytes (the KV held in the store's memory tier, read at e
 
 from __future__ import annotations
 
+import collections
 import hmac
 from collections.abc import Sequence
 
@@ -87,12 +93,47 @@ def _refusal(status: int, message: str, type: str, code: str, headers: dict | No
     return JSONResponse(error_body(message, type, None, code), status_code=status, headers=headers)
 
 
+class QueueFull(Exception):
+    """`max_requests` requests hold a slot: answered 429 with Retry-After (server.py's handler)."""
+
+    retry_after_s = RETRY_AFTER_S
+
+
+class Slot:
+    """One request's claim on the bound of requests in flight: taken by its route once the request is checked,
+    given back by the Gate when its response has ended (or its client has gone away)."""
+
+    def __init__(self, gate: Gate):
+        self.gate, self.held = gate, False
+
+    def take(self) -> None:
+        """Hold a slot, or raise QueueFull when every one is held."""
+        gate = self.gate
+        if self.held:
+            return
+        if gate.in_flight >= gate.max_requests:
+            gate.metrics.rejected.inc()
+            raise QueueFull(f"The server is busy: {gate.max_requests} requests are in flight, its bound "
+                            f"(max_requests); retry in {RETRY_AFTER_S} s")
+        gate.in_flight += 1
+        gate.metrics.in_flight.inc()
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.gate.in_flight -= 1
+            self.gate.metrics.in_flight.dec()
+
+
 class Gate:
-    """ASGI middleware: the API key, the bound on requests in flight, and the request counter."""
+    """ASGI middleware: the API key, the bound on a request's body, the slots of the bound on requests in flight,
+    and the request counter."""
 
     def __init__(self, app, *, routes: Sequence[BaseRoute], metrics: ServerMetrics, api_key: str | None,
-                 max_requests: int):
+                 max_requests: int, max_body_bytes: int):
         self.app, self.routes, self.metrics, self.max_requests = app, routes, metrics, max_requests
+        self.max_body_bytes = max_body_bytes
         self.key = None if api_key is None else api_key.encode()
         self.in_flight = 0  # only the event loop's thread touches it
 
@@ -118,24 +159,51 @@ class Gate:
         if unauthorized is not None:
             await _refusal(401, unauthorized, "invalid_request_error", "invalid_api_key")(scope, receive, send)
             return
+        received = await self._bounded_body(scope, receive)
+        if isinstance(received, str):
+            await _refusal(413, received, "invalid_request_error", "request_too_large")(scope, receive, send)
+            return
+        replay = self._replaying(received, receive)
         if not (scope["method"] == "POST" and scope["path"] in ENGINE_ROUTES):
-            await self.app(scope, receive, send)
+            await self.app(scope, replay, send)
             return
-        if self.in_flight >= self.max_requests:
-            self.metrics.rejected.inc()
-            message = (f"The server is busy: {self.max_requests} requests are in flight, its bound (max_requests); "
-                       f"retry in {RETRY_AFTER_S} s")
-            refusal = _refusal(429, message, "rate_limit_error", "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
-            await refusal(scope, receive, send)
-            return
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
+        slot = scope["kvboost.slot"] = Slot(self)
         try:
             # Returns when the response has ended, a stream included, or its client has gone away.
-            await self.app(scope, receive, send)
+            await self.app(scope, replay, send)
         finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
+            slot.release()
+
+    async def _bounded_body(self, scope, receive) -> list[dict] | str:
+        """The request's body messages, read whole; or why it is refused, when it is over max_body_bytes (before
+        a byte of it is read, when its Content-Length says so). A body is read here, not by the route, so that its
+        bound holds whoever reads it, and a client sending one slowly holds no slot meanwhile."""
+        limit = self.max_body_bytes
+        hint = "send less text per request (the server's --max-body-bytes)"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            return f"The request body holds {int(length)} bytes, more than this server takes ({limit}); {hint}"
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # the client went away: the route sees it as it would have
+                return messages
+            size += len(message.get("body", b""))
+            if size > limit:
+                return f"The request body holds more than {limit} bytes, more than this server takes; {hint}"
+            if not message.get("more_body", False):
+                return messages
+
+    @staticmethod
+    def _replaying(messages: list[dict], receive):
+        """A receive that hands the app the body read already, then the client's own messages (a disconnect)."""
+        pending = collections.deque(messages)
+
+        async def replay():
+            return pending.popleft() if pending else await receive()
+
+        return replay
 
     def _check_key(self, scope) -> str | None:
         """Why the request may not pass without a key (a message), or None."""

@@ -5,7 +5,9 @@
 
 With --api-key KEY (or the environment variable KVBOOST_API_KEY) every /v1/* route and /metrics require
 `Authorization: Bearer KEY` (the openai client's api_key); /health stays open. --max-requests bounds the
-requests running the model at once: one more gets 429 with Retry-After.
+requests running the model at once: one more gets 429 with Retry-After. --max-prompt-bytes and --max-body-bytes
+bound a request's text and body (413 over them, before any tokenizing); their defaults follow the model's context
+window (kvboost_rag/server_requests.py).
 
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client): pip install 'kvboost-rag[serve]'. See
 kvboost_rag/server.py for the routes and kvboost_rag/server_gate.py for the key, the bound and the metrics.
@@ -45,6 +47,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-requests", type=_positive, default=_DEFAULT_MAX_REQUESTS, metavar="N",
                    help="requests running the model at once (prefill or decoding, streamed or not); one more gets "
                         "429 with Retry-After (default: %(default)s)")
+    p.add_argument("--max-prompt-bytes", type=_positive, default=None, metavar="BYTES",
+                   help="UTF-8 bytes of text a request (or one document) may hold; more gets 413 before any tokenizing "
+                        "(default: 8 per token of the model's context window)")
+    p.add_argument("--max-body-bytes", type=_positive, default=None, metavar="BYTES",
+                   help="bytes a request's body may hold; more gets 413 before it is read (default: 6 per byte of "
+                        "--max-prompt-bytes, plus 64 KiB)")
     add_engine_options(p)
     # The engine options call the disk tier's folder --store, as every subcommand does; --disk-dir is its alias.
     p.add_argument("--disk-dir", dest="store", type=Path, default=None, help="the same as --store")
@@ -73,8 +81,8 @@ def main(args: argparse.Namespace) -> int:
             c = engine.counters
             print(f"documents {len(ids)} (computed {c['documents_computed']}, already stored "
                   f"{c['documents_stored']})")
-        app = create_app(engine, model_name=args.model_name, api_key=api_key,
-                         max_requests=args.max_requests)
+        app = create_app(engine, model_name=args.model_name, api_key=api_key, max_requests=args.max_requests,
+                         max_prompt_bytes=args.max_prompt_bytes, max_body_bytes=args.max_body_bytes)
         uvicorn.run(app, host=args.host, port=args.port)
     finally:
         engine.close()  # writes the disk tier's index
