@@ -305,7 +305,7 @@ def create_app(engine: KVBoost, *, model_name: str | None = None, api_key: str |
         raise ValueError("api_key is empty: give a key, or None for no key")
     if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
         raise ValueError(f"max_requests must be a whole number >= 1, got {max_requests!r}")
-    limits = limits_for(engine, max_prompt_bytes, max_body_bytes)
+    limits = limits_for(engine.adapter.max_context, max_prompt_bytes, max_body_bytes)
     metrics = ServerMetrics(engine, max_requests)
     server = _Server(engine, model_name or engine.model_id, metrics)
     app = FastAPI(title="kvboost-rag", summary="OpenAI-compatible API over reused document KV caches")

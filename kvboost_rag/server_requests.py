@@ -57,9 +57,8 @@ class Limits:
     max_context: int  # the model's context window, in tokens
 
 
-def limits_for(engine: KVBoost, max_prompt_bytes: int | None = None, max_body_bytes: int | None = None) -> Limits:
-    """The server's bounds: given ones, else the defaults that follow the model's context window."""
-    max_context = engine.adapter.max_context
+def limits_for(max_context: int, max_prompt_bytes: int | None = None, max_body_bytes: int | None = None) -> Limits:
+    """The server's bounds for a model of `max_context` tokens: given ones, else defaults that follow that window."""
     for name, value in (("max_prompt_bytes", max_prompt_bytes), ("max_body_bytes", max_body_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a whole number of bytes >= 1, got {value!r}")
@@ -216,6 +215,8 @@ def prompt_text(prompt: str | list[str], limits: Limits) -> str:
         if len(prompt) != 1:
             raise APIError(400, f"prompt holds {len(prompt)} prompts: send one prompt per request", param="prompt")
         text = prompt[0]
+    if not text:  # refused here rather than by the engine, so that it never takes a slot
+        raise APIError(400, "empty prompt: give some text to answer", param="prompt")
     size = _utf8_size(text, "prompt")
     if size > limits.max_prompt_bytes:
         raise too_large("prompt", size, limits.max_prompt_bytes, "prompt",
@@ -225,6 +226,9 @@ def prompt_text(prompt: str | list[str], limits: Limits) -> str:
 
 def check_documents(documents: list[str], limits: Limits) -> None:
     for i, text in enumerate(documents):
+        if not text.strip():  # refused here rather than by the engine, so that it never takes a slot
+            raise APIError(400, f"empty document: documents[{i}] has no text; drop empty ones before ingesting",
+                           param=f"documents[{i}]")
         size = _utf8_size(text, f"documents[{i}]")
         if size > limits.max_prompt_bytes:
             raise too_large(f"documents[{i}]", size, limits.max_prompt_bytes, f"documents[{i}]",

@@ -47,7 +47,7 @@ def client(base_url):
 
 @pytest.fixture(scope="module")
 def limits(engine):
-    return limits_for(engine)
+    return limits_for(engine.adapter.max_context)
 
 
 def _post(base_url: str, body: dict, route: str = CHAT, **kwargs) -> httpx.Response:
@@ -69,7 +69,8 @@ def _error(reply: httpx.Response, status: int) -> dict:
 def test_the_default_bounds_follow_the_context_window(engine, limits):
     assert limits.max_prompt_bytes == 8 * engine.adapter.max_context
     assert limits.max_body_bytes == 6 * limits.max_prompt_bytes + 64 * 1024
-    assert limits_for(engine, 1000, 5000) == dataclasses.replace(limits, max_prompt_bytes=1000, max_body_bytes=5000)
+    given = limits_for(engine.adapter.max_context, 1000, 5000)
+    assert given == dataclasses.replace(limits, max_prompt_bytes=1000, max_body_bytes=5000)
     with pytest.raises(ValueError, match="max_body_bytes"):
         create_app(engine, max_body_bytes=0)
 
@@ -306,6 +307,8 @@ def test_a_malformed_request_never_takes_a_slot(engine, monkeypatch):
             assert _error(_post(url, {"messages": [{"role": "wizard", "content": "hi"}]}), 400)["param"]
             assert _error(_post(url, {"messages": QUESTION, "taper": 0}), 400)["param"] == "taper"
             assert _error(_post(url, {"messages": [{"role": "user", "content": "x" * 10**6}]}), 413)
+            assert "empty prompt" in _error(_post(url, {"prompt": ""}, "/v1/completions"), 400)["message"]
+            assert _error(_post(url, {"documents": ["a", " "]}, "/v1/documents"), 400)["param"] == "documents[1]"
             assert _error(_post(url, {"messages": QUESTION}), 429)["code"] == "queue_full"  # a valid one waits
         finally:
             release.set()
