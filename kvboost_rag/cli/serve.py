@@ -16,6 +16,7 @@ kvboost_rag/server.py for the routes and kvboost_rag/server_gate.py for the key,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -83,10 +84,21 @@ def main(args: argparse.Namespace) -> int:
                   f"{c['documents_stored']})")
         app = create_app(engine, model_name=args.model_name, api_key=api_key, max_requests=args.max_requests,
                          max_prompt_bytes=args.max_prompt_bytes, max_body_bytes=args.max_body_bytes)
+        _freeze_what_is_loaded()
         uvicorn.run(app, host=args.host, port=args.port)
     finally:
         engine.close()  # writes the disk tier's index
     return 0
+
+
+def _freeze_what_is_loaded() -> None:
+    """Keep the objects loaded so far (the model, tokenizer, documents, libraries: ~470k of them for the bundled
+    model) out of the garbage collector's full collections, which otherwise scan them all: ~230 ms with the GIL held,
+    a stall of every request in flight, that traffic (any traffic, malformed requests too) sets off every so often
+    (issue 40's soak). What is garbage already is collected first; what is frozen is still freed when no longer
+    referenced."""
+    gc.collect()
+    gc.freeze()
 
 
 def _port(text: str) -> int:
