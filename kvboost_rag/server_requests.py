@@ -152,14 +152,14 @@ def chat_messages(messages: list[dict[str, Any]], limits: Limits) -> list[dict]:
         where = f"messages[{i}]"
         for name, value in message.items():
             if name not in _MESSAGE_FIELDS:
-                raise APIError(400, f"{where}: unknown field {name!r}; a message holds role, content and name",
-                               param=f"{where}.{name}")
+                raise APIError(400, f"{where}: unknown field {_shown(name)}; a message holds role, content and name",
+                               param=f"{where}.{_shown(name, quote=False)}")
             if name in _TOOL_FIELDS and value is not None:
                 raise APIError(400, f"{where}.{name} is not supported: this server does not call tools",
                                param=f"{where}.{name}")
         role = message.get("role")
         if role not in ROLES:
-            shown = "no role" if role is None else f"the role {role!r}"
+            shown = "no role" if role is None else f"the role {_shown(role)}"
             raise APIError(400, f"{where} has {shown}; use one of {', '.join(map(repr, ROLES))}",
                            param=f"{where}.role")
         name = message.get("name")
@@ -190,11 +190,18 @@ def _content_text(content: Any, where: str) -> str:
         here = f"{where}.content[{j}]"
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else _type(part)
-            raise APIError(400, f"{here}: only text content parts are supported, got {kind!r}", param=here)
+            raise APIError(400, f"{here}: only text content parts are supported, got {_shown(kind)}", param=here)
         if not isinstance(part.get("text"), str):
             raise APIError(400, f"{here}.text must be a string, got {_type(part.get('text'))}", param=f"{here}.text")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _shown(value: Any, *, quote: bool = True, limit: int = 80) -> str:
+    """A value of the request's, quoted in a message: never more than `limit` characters of it (a field's name or
+    value may be as long as the body)."""
+    text = repr(value) if quote or not isinstance(value, str) else value
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _type(value: Any) -> str:
@@ -292,9 +299,11 @@ def _refuse_unsupported(request: Sampling, extra: dict[str, Any]) -> None:
     for name, value in extra.items():
         allowed = _UNSUPPORTED.get(name)
         if allowed is not None and value not in allowed:
-            raise APIError(400, f"{name}={value!r} is not supported by kvboost-rag's server; leave it out",
+            raise APIError(400, f"{name}={_shown(value, quote=False)} is not supported by kvboost-rag's server; "
+                                "leave it out",
                            param=name)
         if allowed is None:
             near = difflib.get_close_matches(name, _OURS, n=1, cutoff=0.8)
             if near:
-                raise APIError(400, f"unknown field {name!r}: did you mean {near[0]!r}?", param=name)
+                raise APIError(400, f"unknown field {_shown(name)}: did you mean {near[0]!r}?",
+                               param=_shown(name, quote=False))

@@ -335,3 +335,11 @@ def test_the_serve_command_freezes_what_it_loaded_before_serving(bundled_tokeniz
     finally:
         gc.unfreeze()
     assert frozen and frozen[0] > 100_000  # the tiny model, the tokenizer and the libraries at least
+
+
+def test_an_error_quotes_at_most_a_little_of_the_request(base_url):
+    long_name = "x" * 100_000
+    for body in ({"messages": QUESTION, "logprobs": [1] * 20_000}, {"messages": [{"role": long_name, "content": "a"}]},
+                 {"messages": [{"role": "user", "content": "a", long_name: 1}]}):
+        reply = _post(base_url, body)
+        assert reply.status_code == 400 and len(reply.content) < 1000, reply.content[:200]
