@@ -105,10 +105,12 @@ def target_for(fidelity: str | float, curve: Predictor) -> float | Predictor | N
 class Guard:
     """One request's running risk: `trusts(logits)` says whether the next token may come from the reused cache
     (and counts its risk in), or must come from an exact one. `target`: a fixed risk per answer, or a floor's
-    curve (the risk the floor would run over the same tokens, accumulated alongside)."""
+    curve (the risk the floor would run over the same tokens, accumulated alongside); `minimum`: a risk per answer
+    always allowed, so that a floor measured on few calibration prompts, which may have changed nothing, never
+    holds a level tighter than its fixed target (BALANCED, STRICT)."""
 
-    def __init__(self, predictor: Predictor, target: float | Predictor):
-        self.predictor, self.target = predictor, target
+    def __init__(self, predictor: Predictor, target: float | Predictor, minimum: float = 0.0):
+        self.predictor, self.target, self.minimum = predictor, target, minimum
         self.survive = 1.0  # chance the answer so far equals a full prefill's
         self.floor_survive = 1.0  # the same for the floor, over the same tokens
 
@@ -124,7 +126,7 @@ class Guard:
         p = self.predictor.flip_chance(token_margin)
         if isinstance(self.target, Predictor):
             q = self.target.flip_chance(token_margin)
-            allowed = 1.0 - self.floor_survive * (1.0 - q)
+            allowed = max(1.0 - self.floor_survive * (1.0 - q), self.minimum)
         else:
             q, allowed = 0.0, self.target
         if 1.0 - self.survive * (1.0 - p) > allowed:

@@ -47,7 +47,6 @@ from ..drift import DriftMaps
 from ..kvcache import KVBuffers
 from .protocol import Request, Strategy
 
-MAX_MARGIN = 30.0  # nats: a margin past which every curve's flip chance is nil (Policy.hopeless)
 # The steps of the ladder, as `Served.step` names them.
 REPAIR = "repair"  # the request's strategy at its own budget (an unguarded strategy's prefill, too)
 ESCALATE = "escalate"  # the same plan repaired again at a larger budget
@@ -157,16 +156,11 @@ class Policy:
     def target(self) -> float | fidelity.Predictor:
         return self.target_at(self.budget)
 
-    def hopeless(self, budget: float) -> bool:
-        """Whether no token of a cache repaired at `budget` can be trusted: its curve gives a larger flip chance
-        than its level's floor at every margin (0 to MAX_MARGIN nats; the log-odds differ linearly in the margin, so
-        both ends decide). A strict request on a model whose dtype floor is far below any repair's goes straight
-        to a full prefill, without paying for repairs it would refuse."""
-        floor, curve = self.target_at(budget), self.curve(budget)
-        if not isinstance(floor, fidelity.Predictor):
-            return False
-        gap = [(curve.intercept + curve.slope * m) - (floor.intercept + floor.slope * m) for m in (0.0, MAX_MARGIN)]
-        return min(gap) > 0
+    @property
+    def minimum(self) -> float:
+        """The risk per answer a floor-held level always allows: its fixed target (fidelity.Guard)."""
+        fixed = fidelity.target_of(self.fidelity)
+        return 0.0 if fixed is None else fixed
 
     @property
     def acts(self) -> bool:
@@ -202,7 +196,7 @@ class Watch:
                  judged: Sequence[Judged] = ()):
         self.policy, self.builder, self.served, self.judged = policy, builder, list(served), list(judged)
         budget = self.served[-1].budget
-        self._guard = fidelity.Guard(policy.curve(budget), policy.target_at(budget))
+        self._guard = fidelity.Guard(policy.curve(budget), policy.target_at(budget), policy.minimum)
         self._guard.survive = 1.0 - risk
         for j in self.judged:  # the floor's risk over the tokens served so far, as the prefill's guard ran it
             floor = policy.target_at(j.budget)
@@ -240,7 +234,7 @@ class Watch:
         if self.served[-1].first_token == first:  # refused before serving anything (a first token): not a step
             self.served.pop()
         below = self.served[-1].budget if self.served else self.policy.budget
-        for budget in (b for b in self.policy.escalations if b > below and not self.policy.hopeless(b)):
+        for budget in (b for b in self.policy.escalations if b > below):
             built = self.builder.repaired(budget, answer)
             self._guard.predictor, self._guard.target = self.policy.curve(budget), self.policy.target_at(budget)
             if self._judge(built.logits, budget):
@@ -255,10 +249,6 @@ def start(builder: Builder, guard: Policy | None) -> tuple[Built, Watch | None, 
     """A request's first cache: its strategy's prefill, then, when guarded and the first token cannot be trusted
     there, the ladder. The Watch (None: unguarded) goes on guarding the answer; the steps that serve its first
     token on."""
-    if guard is not None and guard.acts and all(map(guard.hopeless, (guard.budget, *guard.escalations))):
-        built = builder.exact()  # no step of the ladder could be trusted: straight to its last
-        watch = Watch(guard, builder, [Served(0, FULL, 1.0, built.recomputed_tokens)])
-        return built, watch, tuple(watch.served)
     built = builder.repaired()
     first = Served(0, REPAIR, builder.settings.budget if builder.strategy.guarded else None, built.recomputed_tokens)
     if guard is None:

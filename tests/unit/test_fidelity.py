@@ -266,6 +266,9 @@ def test_a_guard_held_to_a_floor_trusts_what_the_floor_would_risk_on_the_same_to
     assert fixed.target == fidelity.BALANCED and not fixed.trusts(unsure)
     strict = fidelity.Guard(curve, fidelity.target_for("strict", curve))
     assert not strict.trusts(steady)  # 1% against the dtype floor's 0.05% at that margin
+    # A floor that changed nothing at calibration never holds a level tighter than its fixed target per answer.
+    held = fidelity.Guard(curve, fidelity.target_for("strict", curve), minimum=fidelity.STRICT)
+    assert held.trusts(steady) and not held.trusts(torch.tensor([math.log(0.9 / 0.1), 0.0]))  # 1%, then 10%
 
 
 def test_a_saved_predictor_keeps_its_floors_and_a_half_written_row_is_refused(tmp_path):

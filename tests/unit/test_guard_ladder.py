@@ -142,19 +142,3 @@ def test_a_later_token_no_budget_trusts_moves_to_a_full_prefill(engine, prompt):
     for k in range(2, out.generated_tokens):
         _, logits = engine._exact_cache(torch.cat([ids, torch.tensor(out.token_ids[:k])]), ids.numel() + TOKENS)
         assert int(logits.argmax()) == out.token_ids[k]
-
-
-def test_a_level_no_budget_can_meet_goes_straight_to_a_full_prefill(engine, prompt):
-    """Every budget's curve above its floor at every margin (a strict request on a model whose dtype floor is far
-    below any repair): no repair is run or reported, the answer is full's; a floor above the curve repairs."""
-    high, low = constant(0.2), constant(0.001)
-    floored = [dataclasses.replace(constant(0.2, b), floors=(low, low)) for b in (BALANCED, STRICT, 0.3)]
-    engine.set_predictor(floored[0].with_others(floored[1:]))
-    out = engine.generate(prompt, max_new_tokens=TOKENS)
-    reference = engine.generate(prompt, strategy="full", max_new_tokens=TOKENS)
-    assert out.token_ids == reference.token_ids and out.fell_back
-    assert out.served == (Served(0, FULL, 1.0, engine.plan(prompt, "full").num_tokens),)
-    hopeful = [dataclasses.replace(constant(0.2, b), floors=(constant(0.5), low)) for b in (BALANCED, STRICT, 0.3)]
-    engine.set_predictor(hopeful[0].with_others(hopeful[1:]))
-    out = engine.generate(prompt, max_new_tokens=TOKENS)
-    assert out.served[0].step == REPAIR and not out.fell_back and high.flip_chance(0) == pytest.approx(0.2)
