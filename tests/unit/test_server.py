@@ -366,6 +366,11 @@ def test_metrics_count_what_was_served(client, engine, base_url, docs):
     assert _sample(after, "kvboost_requests_in_flight") == 0
     assert _sample(after, "kvboost_max_requests") == DEFAULT_MAX_REQUESTS
     assert moved("kvboost_requests_rejected_total") == 0
+    # Issue 39: the found documents' tokens and those served from the store (the completion holds docs[0]).
+    found = len(engine.document(docs[0]).token_ids)
+    assert moved("kvboost_document_tokens_total") == found == text.kvboost["document_tokens"]
+    assert moved("kvboost_document_tokens_reused_total") == text.kvboost["document_tokens_reused"] > 0.9 * found
+    assert _sample(after, "kvboost_shadow_checks") == engine.shadow.figures()["checks"]  # issue 41's online checks
 
 
 def test_each_app_keeps_its_own_metrics(engine):
