@@ -241,7 +241,10 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
             curves.append(dataclasses.replace(fidelity.fit(margins, flipped, len(engine.documents), budget),
                                               floors=floors))
         bar.close()
-        predictor = curves[0].with_others(curves[1:])
+        # The shadow checks' figures stay with the store's curve (shadow.py): they judge the guard in service,
+        # whichever curve it ran.
+        observed = engine.predictor.observed if engine.predictor is not None else None
+        predictor = dataclasses.replace(curves[0], observed=observed).with_others(curves[1:])
         engine.set_predictor(predictor)
         engine.counters["calibrations"] += 1
     return predictor

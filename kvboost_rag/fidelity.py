@@ -31,20 +31,28 @@ the risk the floor would run over the very same tokens. So an answer through uns
 order would change as well, is not moved for being unsure, and a long one not for being long. "fast" has no
 guard; a number in (0, 1) is a fixed risk per answer; without floors (no calibration yet) the levels fall back to
 BALANCED and STRICT per answer, and the model's DEFAULT curve serves, a conservative one.
+
+Predicted against observed (`Observed`): the shadow checks' figures (the answers' summed risks against those that
+differed from a full prefill's; the served tokens' summed flip chances against the flips) are kept with the curve
+they refit, in its file's metadata, so `kvboost-rag store stats` (and `store verify redis://...`) can show them
+without a model; the bench reports the same figures per strategy.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, astuple, dataclass, fields, replace
 
 import safetensors.torch
 import torch
 
 from .store.files import safetensors_metadata
 
-VERSION = 4  # 3: one curve per recompute budget; 4: and the floors' curves at it
+# 3: one curve per recompute budget; 4: and the floors' curves at it. The shadow checks' figures (Observed) are
+# optional metadata, read by 4's readers as none where absent and ignored where not known: no new version.
+VERSION = 4
 LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
 STRICT = 0.03
@@ -65,6 +73,73 @@ def margin(logits: torch.Tensor) -> float:
 
 
 @dataclass(frozen=True)
+class Observed:
+    """The guard's predictions against what checks against a full prefill found (shadow.py's checks of served
+    answers, kept with the curve they refit): over the answers, their summed risks (Generation.fidelity_estimate)
+    against those that differed from a full prefill's; over the tokens served from reused caches, their summed
+    flip chances against the tokens a full prefill chose otherwise. Sums, not means, so that two sets add up."""
+
+    checks: int = 0
+    answers: int = 0
+    predicted_differ: float = 0.0
+    observed_differ: int = 0
+    tokens: int = 0
+    predicted_flips: float = 0.0
+    observed_flips: int = 0
+
+    def __add__(self, other: Observed) -> Observed:
+        return Observed(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __sub__(self, other: Observed) -> Observed:
+        return Observed(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def answer_figures(self) -> dict:
+        """Per answer: the sums, the shares (predicted: the mean risk) and predicted / observed (None where there is
+        nothing to divide by)."""
+        return {"answers": self.answers, "predicted_differ": self.predicted_differ,
+                "observed_differ": self.observed_differ,
+                "predicted_differ_share": _divided(self.predicted_differ, self.answers),
+                "observed_differ_share": _divided(self.observed_differ, self.answers),
+                "differ_ratio": _divided(self.predicted_differ, self.observed_differ)}
+
+    def figures(self) -> dict:
+        """answer_figures, the checks, and the same per served token."""
+        return {"checks": self.checks, **self.answer_figures(), "tokens": self.tokens,
+                "predicted_flips": self.predicted_flips, "observed_flips": self.observed_flips,
+                "predicted_flip_share": _divided(self.predicted_flips, self.tokens),
+                "observed_flip_share": _divided(self.observed_flips, self.tokens),
+                "flip_ratio": _divided(self.predicted_flips, self.observed_flips)}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Observed:
+        """The figures `to_json` wrote; ValueError unless every one is there, of its type, finite and not negative."""
+        values = json.loads(text)
+        kinds = {f.name: f.type for f in fields(cls)}
+        if not isinstance(values, dict) or set(values) != set(kinds):
+            raise ValueError(f"observed fidelity figures must be {sorted(kinds)}")
+        for name, value in values.items():
+            counted = kinds[name] == "int"
+            if (isinstance(value, bool) or not isinstance(value, int if counted else (int, float))
+                    or not math.isfinite(value) or value < 0):
+                raise ValueError(f"observed fidelity figure {name}={value!r}")
+        return cls(**{name: value if kinds[name] == "int" else float(value) for name, value in values.items()})
+
+
+def _divided(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def observed_in(data: bytes) -> Observed | None:
+    """The Observed figures in a fidelity file's metadata (to_bytes); None when it has none (no shadow check has
+    refit its curve, or a file written before they were kept). ValueError when they, or the bytes, are damaged."""
+    text = safetensors_metadata(data).get("observed")
+    return None if text is None else Observed.from_json(text)
+
+
+@dataclass(frozen=True)
 class Predictor:
     intercept: float
     slope: float
@@ -75,6 +150,8 @@ class Predictor:
     others: tuple[Predictor, ...] = ()  # the curves fitted at the other levels' budgets in the same pass
     # The floors' curves at this budget, fitted in the same pass: (order, dtype); None: the levels' fixed targets
     floors: tuple[Predictor, Predictor] | None = None
+    # The shadow checks' figures so far (shadow.py), on the main curve only; None: no check has refit a curve yet
+    observed: Observed | None = None
 
     def flip_chance(self, margin: float) -> float:
         z = self.intercept + self.slope * margin
@@ -171,8 +248,11 @@ def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:
     """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what
     calibrate.save keeps beside the engine's store (a file, a Redis value). One row per curve, the main one
     first: (budget, intercept, slope, tokens, flips), then the same four for the order and the dtype floor's
-    curves (NaN without floors)."""
+    curves (NaN without floors). The shadow checks' figures, where there are some, as JSON in the metadata
+    ("observed"): a reader of version 4 without them ignores them, and one with them reads a file without as none."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "documents": str(predictor.documents)}
+    if predictor.observed is not None:
+        meta["observed"] = predictor.observed.to_json()
     rows = []
     for c in (predictor, *predictor.others):
         floors = ([v for f in c.floors for v in (f.intercept, f.slope, f.tokens, f.flips)] if c.floors
@@ -188,6 +268,7 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
         meta = safetensors_metadata(data)
         curves = safetensors.torch.load(bytes(data))["curves"]
         documents = int(meta.get("documents", 0))
+        observed = Observed.from_json(meta["observed"]) if "observed" in meta else None
     except Exception:  # noqa: BLE001 - safetensors raises its own error type for every kind of damage
         return None
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION) or curves.ndim != 2
@@ -204,4 +285,4 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
             return None  # partly there: damaged
         parsed.append(Predictor(intercept, slope, int(tokens), int(flips), documents, budget, floors=floors))
     main, *others = parsed
-    return main.with_others(others)
+    return replace(main, observed=observed).with_others(others)

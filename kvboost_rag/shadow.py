@@ -18,7 +18,10 @@ waits for its lock, no stream decoding. A request that comes meanwhile waits at 
 
 Predicted against observed (`figures`): over the tokens served from reused caches, the guard's summed flip chances
 against the flips counted; over the answers, their summed risks (Generation.fidelity_estimate) against those that
-differ from a full prefill's at a served token.
+differ from a full prefill's at a served token. `figures` are this engine's (/metrics). The store's go with every
+curve a check refits (fidelity.Observed, in the fidelity file's metadata, the same bytes in Redis): those the
+engine's curve carried (loaded with it, so a restart, another process on the same Redis and the next corpus
+calibration keep them) plus this engine's checks since its last refit; `kvboost-rag store stats` shows them.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Shadow:
         self.counters: collections.Counter[str] = collections.Counter()
         self.predicted_risk = 0.0
         self.predicted_flips = 0.0
+        self._saved = fidelity.Observed()  # `observed()` when a refit last handed the engine a curve (see _learn)
 
     def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
         """Queue `check` with the request's share (its curve's: young ones are checked more); whether it was."""
@@ -109,6 +113,12 @@ class Shadow:
                 "tokens": c["tokens"], "predicted_flips": self.predicted_flips, "observed_flips": c["flips"],
                 "answers": c["answers"], "predicted_differ": self.predicted_risk,
                 "observed_differ": c["answers_differ"], "errors": c["errors"]}
+
+    def observed(self) -> fidelity.Observed:
+        """`figures`' predicted against observed, as kept with a curve and reported by the bench."""
+        c = self.counters
+        return fidelity.Observed(c["checks"], c["answers"], self.predicted_risk, c["answers_differ"], c["tokens"],
+                                 self.predicted_flips, c["flips"])
 
     # ---- the thread --------------------------------------------------------------------------
 
@@ -169,7 +179,7 @@ class Shadow:
         for judged, flip in zip(check.judged, flips, strict=True):
             self.samples.setdefault(judged.budget, collections.deque(maxlen=MAX_SAMPLES)).append((judged.margin, flip))
         engine = self.engine
-        predictor = engine.predictor or fidelity.DEFAULT_PREDICTOR
+        predictor = before = engine.predictor or fidelity.DEFAULT_PREDICTOR
         refitted = False
         for budget in sorted({judged.budget for judged in check.judged}):
             samples = self.samples[budget]
@@ -178,7 +188,12 @@ class Shadow:
                 predictor = with_curve(predictor, fidelity.fit(margins, flipped, predictor.documents, budget))
                 refitted = True
         if refitted:
-            engine.set_predictor(predictor)
+            # The figures go with the curve: what the engine's curve carried, and this engine's checks since it last
+            # handed one over (counted as handed over before the save, which may fail: the engine keeps the curve).
+            now = self.observed()
+            carried = (before.observed or fidelity.Observed()) + (now - self._saved)
+            self._saved = now
+            engine.set_predictor(dataclasses.replace(predictor, observed=carried))
             self.counters["refits"] += 1
 
 

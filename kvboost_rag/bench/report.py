@@ -37,6 +37,11 @@ def table(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     title = (f"{report['model']}, {report['dtype']}, kv_bits={report['kv_bits']}, {report['items']} items, "
              f"median TTFT and speedup, mean quality; {report['seconds']} s")
+    shadow = report.get("shadow_checks")
+    if shadow:  # the guard's predictions against the shadow checks of the bench's answers (shadow.py)
+        lines += ["", f"Shadow checks: {shadow['checks']}; differing answers predicted {shadow['predicted_differ']:.2f}"
+                      f", observed {shadow['observed_differ']}; flips over {shadow['tokens']} served tokens predicted "
+                      f"{shadow['predicted_flips']:.2f}, observed {shadow['observed_flips']}"]
     return title + "\n\n" + "\n".join(lines)
 
 

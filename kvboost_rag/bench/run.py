@@ -12,6 +12,9 @@ each is compared with `full` on the same tokens:
 - recompute_fraction / reuse_fraction: prompt tokens computed through every layer / reused.
 - the noise floor (with a `floor` engine: the same model in another dtype): a full prefill there, scored as
   the strategies are. No user can tell apart answers that differ less than a change of dtype makes them differ.
+- observed_fidelity (per guarded strategy): the guard's estimates (fidelity_estimate) of the answers it guarded
+  against those that differ from full's, summed, as the shadow checks report them (fidelity.Observed); and
+  shadow_checks: the shadow checks the bench's answers led to (shadow.py), once they have run, after the timed part.
 
 A strategy spec is a name with optional repair overrides: "cacheblend:recompute_ratio=0.3,taper=1".
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from .. import fidelity
 from ..config import RepairConfig
 from ..engine import Generation, KVBoost
 from ..generation import SamplingParams
@@ -34,6 +38,7 @@ from ..repair import names as strategy_names
 from .data import BenchItem
 
 FULL = "full"
+SHADOW_DRAIN_S = 300.0  # the longest the report waits, after the timed part, for the shadow checks still queued
 # The order floor: a full prefill of the same documents in reverse order, scored against full as a strategy is.
 # A retriever's order is arbitrary, so users already accept answers that differ this often (issue 41).
 ORDER_FLOOR = "full (documents reversed)"
@@ -175,6 +180,8 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
             "escalated": float(any(s.step == "escalate" for s in sample.result.served)),
             # the whole answer differs from full's: what fidelity_estimate predicts
             "differs": float(sample.token_ids != full.token_ids),
+            # a guarded strategy's answer: its fidelity_estimate is the guard's (others' are 0: nothing predicted)
+            "guarded": sample.result.recompute_budget is not None,
             "agreement": float(sample.token_ids[:agree_tokens] == full.token_ids[:agree_tokens]),
             "first_token_kl": float(per_token[0]),
             "continuation_kl": float(per_token.mean()),
@@ -202,6 +209,12 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
                     "switched", "escalated", "differs"):
             values = [r[key] for r in rows if key in r]
             entry[key] = statistics.fmean(values) if values else None
+        # The guard's estimates against what happened, as the shadow checks report them (fidelity.Observed).
+        guarded = [r for r in rows if r.get("guarded")]
+        observed = fidelity.Observed(answers=len(guarded),
+                                     predicted_differ=sum(r["fidelity_estimate"] for r in guarded),
+                                     observed_differ=int(sum(r["differs"] for r in guarded)))
+        entry["observed_fidelity"] = observed.answer_figures() if guarded else None
         summary[label] = entry
     return summary
 
@@ -229,6 +242,7 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
     the JSON-ready report. With `floor` (the model in another dtype), its full prefill is one more row (the dtype
     floor); with `order_floor`, a full prefill of the documents in reverse order is another."""
     started = time.perf_counter()
+    checked = engine.shadow.observed()  # an engine that served before: only the bench's checks are reported
     engine.ingest([d for item in items for d in item.documents], progress=progress)
     if drift_prompts > 0:
         engine.fit_drift(prompts=drift_prompts)
@@ -243,7 +257,7 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
         per_item.append({label: s.metrics for label, s in samples.items()} | {"id": item.id})
     labels = [s.label for s in specs] + ([floor_label(floor)] if floor is not None else [])
     labels += [ORDER_FLOOR] if order_floor and any(ORDER_FLOOR in r for r in per_item) else []
-    return {
+    report = {
         "model": engine.model_id,
         "dtype": engine.config.dtype,
         "device": str(engine.adapter.device),
@@ -257,3 +271,9 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
         "strategies": summarize([{k: v for k, v in r.items() if k != "id"} for r in per_item], labels),
         "per_item": per_item,
     }
+    # The shadow checks the guarded answers led to (shadow.py) run while the engine is idle, between the bench's
+    # requests and after them: those still queued are waited for here, outside `seconds`.
+    engine.shadow.drain(timeout=SHADOW_DRAIN_S)
+    shadow = engine.shadow.observed() - checked
+    report["shadow_checks"] = shadow.figures() if shadow.checks else None
+    return report

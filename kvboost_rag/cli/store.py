@@ -1,7 +1,9 @@
 """`kvboost-rag store stats|verify|prune DIR`: look after a disk KV store without loading a model
 (`store verify redis://host:6379/0` checks a Redis tier the same way, see store/redis_verify.py).
 
-stats reads only file headers (fast); verify reads every file and checks it as its kind says (K/V
+stats reads only file headers (fast), and the shadow checks' figures kept with the fidelity calibration (the
+guard's predicted chance of a differing answer against the share observed, and its predicted flips against those
+observed over the served tokens; see fidelity.Observed); verify reads every file and checks it as its kind says (K/V
 files, document indexes record by record, the calibration's drift maps and fidelity predictor, the tier's
 index), listing temp files and files that are not ours; prune removes damaged files and left-over temp files,
 drops a document index's bad records, then optionally removes the least recently used K/V files to meet a size
@@ -18,6 +20,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from kvboost_rag import fidelity
 from kvboost_rag.config import REDIS_SCHEMES
 from kvboost_rag.store.entries import BadEntryFile, read_header
 from kvboost_rag.store.folder import file_kind, prune_dir, verify_dir
@@ -35,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     commands = parser.add_subparsers(dest="store_command", required=True, metavar="{stats,verify,prune}")
 
-    stats = commands.add_parser("stats", help="files, bytes, tokens and models in DIR (headers only)")
+    stats = commands.add_parser("stats", help="files, bytes, tokens and models in DIR (headers only), and the "
+                                              "fidelity guard's predicted against observed figures")
     verify = commands.add_parser(
         "verify", help="read every file in DIR and check it; exit 1 if any is bad or not kvboost-rag's"
     )
@@ -121,6 +125,8 @@ def _stats(args: argparse.Namespace) -> int:
         documents=sum(_count_lines(p) for p in kinds.get("documents", [])),
         store_indexes=len(kinds.get("index", [])),
         other_files=len(kinds.get("other", [])),
+        # Per fidelity calibration: the shadow checks' figures (Observed.figures), None before any, or why unreadable
+        observed_fidelity={p.name: _observed(p) for p in kinds.get("fidelity", [])},
     )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -134,11 +140,42 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"  {report['document_indexes']} document indexes ({report['documents']} records), "
           f"{report['drift_maps']} drift maps, {report['fidelity_calibrations']} fidelity calibrations, "
           f"{report['store_indexes']} store indexes")
+    for name, figures in report["observed_fidelity"].items() or [("", None)]:
+        if isinstance(figures, str):
+            print(f"  observed fidelity ({name}): {figures} (run `kvboost-rag store verify {args.dir}`)")
+        else:
+            print("\n".join(observed_lines(name, figures)))
     if report["temp_files"]:
         print(f"  {report['temp_files']} temp files (interrupted or in-flight writes; prune removes left-over ones)")
     if report["other_files"]:
         print(f"  {report['other_files']} files that are not kvboost-rag's (run `kvboost-rag store verify {args.dir}`)")
     return 0
+
+
+def _observed(path: Path) -> dict | str | None:
+    """The shadow checks' figures kept with a fidelity calibration (fidelity.Observed.figures); None when a shadow
+    check has not refit it yet; why, when its metadata cannot be read."""
+    try:
+        observed = fidelity.observed_in(path.read_bytes())
+    except (ValueError, TypeError, OSError) as e:
+        return f"unreadable ({e})"
+    return None if observed is None else observed.figures()
+
+
+def observed_lines(where: str, figures: dict | None) -> list[str]:
+    """How `stats` (and `verify URL`) print the shadow checks' figures kept with the fidelity calibration `where`
+    (a file or a Redis key; "": none), Observed.figures or None."""
+    head = f"  observed fidelity{f' ({where})' if where else ''}: "
+    if figures is None:
+        return [head + "no shadow checks yet"]
+    shown = {k: "-" if v is None else f"{v:.3f}" for k, v in figures.items() if k.endswith(("_share", "_ratio"))}
+    return [head + f"{figures['checks']} shadow checks of served answers against a full prefill",
+            f"    answers that differ: predicted {figures['predicted_differ']:.2f} of {figures['answers']} "
+            f"({shown['predicted_differ_share']}), observed {figures['observed_differ']} "
+            f"({shown['observed_differ_share']}), predicted/observed {shown['differ_ratio']}",
+            f"    served tokens that flip: predicted {figures['predicted_flips']:.2f} of {figures['tokens']} "
+            f"({shown['predicted_flip_share']}), observed {figures['observed_flips']} "
+            f"({shown['observed_flip_share']}), predicted/observed {shown['flip_ratio']}"]
 
 
 def _count_lines(path: Path) -> int:
@@ -205,7 +242,8 @@ def _verify_redis(args: argparse.Namespace) -> int:
         doc = dict(url=report.url, ok=report.ok, good=report.good, foreign=report.foreign,
                    fingerprints=report.fingerprints, pointers=report.pointers, stale_pointers=report.stale_pointers,
                    calibrations=report.calibrations, documents=report.documents, bad=report.bad,
-                   unknown=report.unknown, other_keys=report.other_keys)
+                   unknown=report.unknown, other_keys=report.other_keys,
+                   observed_fidelity={key: None if o is None else o.figures() for key, o in report.observed.items()})
         print(json.dumps(doc, indent=2))
         return 0 if report.ok else 1
     kv_bad = sum(":p:" in key for key in report.bad)
@@ -217,6 +255,8 @@ def _verify_redis(args: argparse.Namespace) -> int:
     for fp, n in sorted(report.fingerprints.items()):
         mark = "" if args.fingerprint in (None, fp) else " (foreign)"
         print(f"  fingerprint {fp}: {n} intact entries{mark}")
+    for key, observed in report.observed.items():
+        print("\n".join(observed_lines(key, None if observed is None else observed.figures())))
     for key, why in report.bad.items():
         print(f"  BAD {key}: {why}")
     for key in report.unknown:

@@ -10,7 +10,8 @@ fingerprint (the 16 characters of its namespace):
                                                 entry is gone (evicted, removed) is stale, not bad: the tier drops it
                                                 when it next reads it
     kvboost:{fp}:calibration:drift | fidelity   the corpus's calibration, checked as its file in a store folder is
-                                                (folder.check_calibration)
+                                                (folder.check_calibration); the fidelity predictor's shadow check
+                                                figures (fidelity.Observed) reported as `store stats` reports them
     kvboost:{fp}:documents                      the document index, a hash: each record by its checksum, its field
                                                 against its doc_id and, where the model's whole fingerprint is known
                                                 (--fingerprint, or the one the namespace's entries carry), its doc_id
@@ -27,6 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from kvboost_rag import fidelity
 from kvboost_rag.keys import content_key
 from kvboost_rag.store.documents import decode_record
 from kvboost_rag.store.entries import BadEntryFile, entry_from_bytes
@@ -52,6 +54,8 @@ class RedisVerifyReport:
     pointers: int = 0  # content pointers to an intact entry of their tokens
     stale_pointers: int = 0  # pointers whose entry is gone or bad: dropped by the tier on its next read
     calibrations: list[str] = field(default_factory=list)  # intact drift maps and fidelity predictors
+    # Intact fidelity predictor -> the shadow checks' figures kept with it; None: no shadow checks yet
+    observed: dict[str, fidelity.Observed | None] = field(default_factory=dict)
     documents: dict[str, int] = field(default_factory=dict)  # document index -> intact records
     bad: dict[str, str] = field(default_factory=dict)  # key (a record: "key field") -> what is wrong
     unknown: list[str] = field(default_factory=list)  # under kvboost: but named like nothing kvboost-rag writes
@@ -141,6 +145,8 @@ def _check_calibrations(client, found: list[re.Match], report: RedisVerifyReport
             report.bad[key] = str(e)
             continue
         report.calibrations.append(key)
+        if kind == "fidelity":
+            report.observed[key] = fidelity.observed_in(data)  # checked whole by check_calibration
         whole.setdefault(m.group(1), safetensors_metadata(data)["fingerprint"])
 
 

@@ -101,3 +101,38 @@ def test_the_bench_scores_an_order_floor_row_on_the_documents_reversed(make_tiny
     # A full prefill of other tokens (the same documents reversed): no reuse, and its first token's distribution is
     # not full's (the comparison can see another order).
     assert rows[ORDER_FLOOR]["reuse_fraction"] == 0 and rows[ORDER_FLOOR]["first_token_kl"] > 0
+
+
+def test_the_bench_reports_the_guards_estimates_against_the_answers_that_differed(make_tiny_engine, docs):
+    """Issue 41: per guarded strategy, the guard's summed estimates against the answers that differ from full's, named
+    as the shadow checks' figures are (fidelity.Observed); and the shadow checks the bench's answers led to."""
+    import json
+
+    from kvboost_rag import EngineConfig, fidelity
+    from kvboost_rag.bench.data import BenchItem
+    from kvboost_rag.bench.report import table
+    from kvboost_rag.bench.run import run_bench
+
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0), guarded=True)
+    # A curve that trusts every token: every answer served from the repaired cache (a random model's guard would
+    # send them all to a full prefill), each checked in the background.
+    engine.predictor = fidelity.Predictor(-30.0, 0.0, budget=engine.config.repair.budget)
+    items = [BenchItem(f"item{i}", tuple(docs[i:] + docs[:i]), "Who founded the brewing company?") for i in range(2)]
+    report = run_bench(engine, items, parse_strategies("full,cacheblend", engine.config.repair), max_new_tokens=4,
+                       progress=False)
+    report = json.loads(json.dumps(report))  # as --json writes it
+    rows, answers = report["strategies"], [r["cacheblend"] for r in report["per_item"]]
+    assert rows["full"]["observed_fidelity"] is None  # unguarded: nothing predicted
+    observed = rows["cacheblend"]["observed_fidelity"]
+    assert set(observed) == {"answers", "predicted_differ", "observed_differ", "predicted_differ_share",
+                             "observed_differ_share", "differ_ratio"}
+    assert observed["answers"] == 2 and observed["observed_differ"] == sum(r["differs"] for r in answers)
+    assert observed["predicted_differ"] == pytest.approx(sum(r["fidelity_estimate"] for r in answers))
+    # The shares are the table's P(differs) and differs columns.
+    assert observed["predicted_differ_share"] == pytest.approx(rows["cacheblend"]["fidelity_estimate"])
+    assert observed["observed_differ_share"] == pytest.approx(rows["cacheblend"]["differs"])
+    shadow = report["shadow_checks"]  # the warm-up's answer and the two measured ones, checked once run
+    assert shadow["checks"] == shadow["answers"] == 3 and 0 < shadow["tokens"] <= 3 * 4
+    assert shadow == engine.shadow.observed().figures()
+    assert "Shadow checks: 3;" in table(report)
+    engine.close()

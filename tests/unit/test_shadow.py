@@ -3,7 +3,10 @@ background correct a wrong curve, and never delay a response."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import itertools
+import json
 import math
 import statistics
 import time
@@ -12,6 +15,7 @@ import pytest
 import torch
 
 from kvboost_rag import fidelity
+from kvboost_rag.cli import store as store_cli
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
 from kvboost_rag.shadow import with_curve
 
@@ -83,6 +87,52 @@ def test_checks_of_served_answers_correct_a_wrong_curve_within_a_few_checks(engi
     # Saved beside the store: the next engine on this folder starts from it.
     again = make_tiny_engine(EngineConfig(calibrate=False, store=StoreConfig(disk_dir=tmp_path)), guarded=True)
     assert again.predictor == engine.predictor
+
+
+def _store(*argv) -> int:
+    """`kvboost-rag store ...`, in this process."""
+    parser = argparse.ArgumentParser(prog="kvboost-rag")
+    store_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["store", *argv])
+    return args.func(args)
+
+
+def test_store_stats_shows_the_shadow_checks_figures_kept_with_the_curve_they_refit(engine, make_tiny_engine,
+                                                                                    tmp_path, capsys):
+    """Issue 41: what the checks saw (predicted against observed, per answer and per served token) goes with the curve
+    a check refits, in the fidelity file beside the store: `store stats` shows it, and a restarted engine goes on
+    counting from it."""
+    assert _store("stats", str(tmp_path)) == 0
+    assert "observed fidelity: no shadow checks yet" in capsys.readouterr().out  # no curve saved yet
+    checks_needed = math.ceil(fidelity.MIN_TOKENS / TOKENS)
+    for prompt in prompts(checks_needed):
+        engine.generate(prompt, max_new_tokens=TOKENS, write_back=False)
+        assert engine.shadow.drain(timeout=60)
+    seen = engine.shadow.observed()  # the check before the refit counted in too
+    assert engine.shadow.figures()["refits"] == 1 and seen.checks == seen.answers == checks_needed
+    assert (seen.tokens, seen.observed_flips, seen.observed_differ) == tuple(
+        engine.shadow.figures()[k] for k in ("tokens", "observed_flips", "observed_differ"))
+    assert seen.observed_flips > 0 and seen.predicted_flips < 1e-6  # the wrong curve, seen to be wrong
+    assert _store("stats", str(tmp_path), "--json") == 0
+    assert json.loads(capsys.readouterr().out)["observed_fidelity"] == {engine.fidelity_path.name: seen.figures()}
+    assert _store("stats", str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert f"observed fidelity ({engine.fidelity_path.name}): {checks_needed} shadow checks" in out
+    assert (f"served tokens that flip: predicted {seen.predicted_flips:.2f} of {seen.tokens} (0.000), observed "
+            f"{seen.observed_flips} ({seen.observed_flips / seen.tokens:.3f}), predicted/observed 0.000") in out
+    engine.close()
+    # Restarted on the same folder: the curve comes back with its figures, and the next refit adds the new checks.
+    again = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0,
+                                          store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    assert again.predictor.observed == seen
+    again.predictor = dataclasses.replace(NEVER_FLIPS, observed=again.predictor.observed)  # the same answers again
+    for prompt in prompts(2 * checks_needed)[checks_needed:]:
+        again.generate(prompt, max_new_tokens=TOKENS, write_back=False)
+        assert again.shadow.drain(timeout=60)
+    assert again.shadow.figures()["refits"] == 1 and again.shadow.observed().checks == checks_needed
+    saved = fidelity.from_bytes(again.fidelity_path.read_bytes(), again.fingerprint)
+    assert saved.observed == seen + again.shadow.observed() and saved.observed.checks == 2 * checks_needed
+    again.close()
 
 
 CHECK_S = 1.5  # a check made slow on purpose: one run inline would add this to a response

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 
 import pytest
 import redis
@@ -126,6 +127,51 @@ def test_a_fidelity_file_of_another_version_than_its_engine_reads_is_refused_by_
     assert "refuses" in verify_dir(tmp_path).bad[engine.fidelity_path]
 
 
+SEEN = fidelity.Observed(checks=3, answers=3, predicted_differ=1.25, observed_differ=1, tokens=48,
+                         predicted_flips=3.5, observed_flips=5)  # what shadow checks saw (shadow.py)
+
+
+def test_a_fidelity_file_from_before_the_shadow_figures_loads_and_shows_none(make_tiny_engine, tmp_path, capsys):
+    """Issue 41: the shadow checks' figures are metadata of the fidelity file, of the same version: a file written
+    before them (none in its metadata) is used as it was, passes verify and shows no checks; one with them shows
+    them; damaged ones make the whole file one the engine refuses, and verify with it."""
+    engine = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)))
+    rows = torch.tensor([[0.07, 0.25, -1.5, 64, 5] + [math.nan] * 8], dtype=torch.float64)
+    old = safetensors.torch.save({"curves": rows}, metadata={"fingerprint": engine.fingerprint,
+                                                             "version": str(fidelity.VERSION), "documents": "10"})
+    engine.fidelity_path.write_bytes(old)  # as the last release wrote it
+    predictor = fidelity.Predictor(0.25, -1.5, tokens=64, flips=5, documents=10, budget=0.07)
+    assert fidelity.from_bytes(old, engine.fingerprint) == predictor and predictor.observed is None
+    assert make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path))).predictor == predictor
+    assert _cli("store", "verify", str(tmp_path)) == 0
+    capsys.readouterr()
+    name = engine.fidelity_path.name
+    assert _cli("store", "stats", str(tmp_path)) == 0
+    assert f"observed fidelity ({name}): no shadow checks yet" in capsys.readouterr().out
+    assert _cli("store", "stats", str(tmp_path), "--json") == 0
+    assert json.loads(capsys.readouterr().out)["observed_fidelity"] == {name: None}
+
+    engine.set_predictor(dataclasses.replace(predictor, observed=SEEN))  # as a shadow check's refit saves it
+    data = engine.fidelity_path.read_bytes()
+    assert fidelity.from_bytes(data, engine.fingerprint).observed == SEEN and verify_dir(tmp_path).ok
+    assert _cli("store", "stats", str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert f"observed fidelity ({name}): 3 shadow checks of served answers" in out
+    assert "answers that differ: predicted 1.25 of 3 (0.417), observed 1 (0.333), predicted/observed 1.250" in out
+    assert "served tokens that flip: predicted 3.50 of 48 (0.073), observed 5 (0.104), predicted/observed 0.700" in out
+    assert _cli("store", "stats", str(tmp_path), "--json") == 0
+    figures = json.loads(capsys.readouterr().out)["observed_fidelity"][name]
+    assert figures == SEEN.figures() and figures["differ_ratio"] == pytest.approx(1.25)
+
+    for damaged in ('{"checks": 3}', SEEN.to_json().replace("48", "-48"), SEEN.to_json().replace("5}", "NaN}"),
+                    "not json"):
+        engine.fidelity_path.write_bytes(_with_metadata(observed=damaged)(data))
+        assert fidelity.from_bytes(engine.fidelity_path.read_bytes(), engine.fingerprint) is None
+        assert "refuses" in verify_dir(tmp_path).bad[engine.fidelity_path]
+        assert _cli("store", "stats", str(tmp_path)) == 0
+        assert f"observed fidelity ({name}): unreadable" in capsys.readouterr().out
+
+
 # -- a Redis tier --------------------------------------------------------------------------------------------
 
 
@@ -169,6 +215,26 @@ def test_a_calibrated_redis_store_holds_only_keys_verify_knows_and_verify_passes
     assert counted == len(raw.keys("*"))
     code, report = _verify_json(redis_server, capsys, "--fingerprint", "0" * 32)
     assert code == 0 and report["good"] == 0 and report["foreign"] == entries
+
+
+def test_redis_verify_shows_the_shadow_checks_figures_kept_with_the_shared_curve(redis_server, raw, make_tiny_engine,
+                                                                                 capsys):
+    """The curve a shadow check refits is shared through Redis with its figures: verify URL shows them as `store
+    stats` does for a folder (stats takes no URL), and an engine on the same Redis reads them back."""
+    engine = make_tiny_engine(EngineConfig(store=StoreConfig(redis_url=redis_server)))
+    _synthetic_calibration(engine)  # a corpus calibration: no checks yet
+    key = f"kvboost:{engine.fingerprint[:16]}:calibration:fidelity"
+    code, report = _verify_json(redis_server, capsys)
+    assert code == 0 and report["observed_fidelity"] == {key: None}
+    assert _cli("store", "verify", redis_server) == 0
+    assert f"observed fidelity ({key}): no shadow checks yet" in capsys.readouterr().out
+    engine.set_predictor(dataclasses.replace(engine.predictor, observed=SEEN))  # as a shadow check's refit saves it
+    engine.close()
+    code, report = _verify_json(redis_server, capsys)
+    assert code == 0 and report["observed_fidelity"] == {key: SEEN.figures()}
+    assert _cli("store", "verify", redis_server) == 0
+    assert f"observed fidelity ({key}): 3 shadow checks" in capsys.readouterr().out
+    assert make_tiny_engine(EngineConfig(store=StoreConfig(redis_url=redis_server))).predictor.observed == SEEN
 
 
 def _redis_store(redis_server, make_tiny_engine):
