@@ -258,6 +258,9 @@ class EngineConfig:
     escalate_to: float = knob(0.3, "the largest recompute budget the fidelity guard repairs a request's cache again "
                                    "at before a token it cannot trust (the levels' budgets above the request's, then "
                                    "this), before a full prefill; 0 = straight to a full prefill")
+    ladder_costs: bool = knob(True, "skip a step of the fidelity guard's ladder (a repair, an escalation) whose "
+                                    "cache the guard trusts less often than the step's measured cost as a share of a "
+                                    "full prefill's: it would cost more than it saves")
     # Online calibration (shadow.py): served answers checked against a full prefill once the engine is idle, off
     # every request's path, refitting the fidelity guard on what users ask.
     shadow_share: float = knob(0.05, "share of the guarded requests whose answer is checked against a full prefill "
@@ -274,6 +277,9 @@ class EngineConfig:
         check_number(self, "shadow_share", 0.0, 1.0, hint="0 checks no request")
         check_number(self, "shadow_share_young", 0.0, 1.0, hint="0 checks no request")
         check_int(self, "shadow_queue", 1, hint="checks waiting at most")
+        if not isinstance(self.ladder_costs, bool):
+            raise ConfigError("ladder_costs", f"EngineConfig.ladder_costs must be True or False, got "
+                                              f"{self.ladder_costs!r}")
         if not isinstance(self.calibrate, bool):
             raise ConfigError("calibrate", f"EngineConfig.calibrate must be True or False, got {self.calibrate!r}")
         if self.calibration_layout not in LAYOUTS:

@@ -40,7 +40,7 @@ from .chunking import chunk_document
 from .config import EngineConfig, RepairConfig, check_doc_context, check_for_model
 from .generation import SamplingParams, TextStream, choose_token
 from .kvcache import KVBuffers
-from .repair import get_strategy, guard
+from .repair import get_strategy, guard, routes
 from .store import make_index, make_store
 from .store.base import KVEntry, KVStore
 from .store.documents import Document
@@ -177,6 +177,8 @@ class KVBoost:
         self._warned_lost: set[str] = set()  # documents whose lost tokens were warned about
         # Online calibration: a share of the guarded answers checked against a full prefill in the background.
         self.shadow = shadow.Shadow(self, config.shadow_share, config.shadow_share_young, config.shadow_queue)
+        # Which steps of the guard's ladder pay for themselves on this machine (repair/routes.py).
+        self.routes = routes.Routes(enabled=config.ladder_costs)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -363,7 +365,7 @@ class KVBoost:
                              "fewer documents")
         with self.lock:
             maps = self.drift if chosen.maps_drift and settings.drift else None
-            builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock)
+            builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock, self.routes)
             policy = guard.policy(chosen, settings, p, self.predictor, self.config.store.kv_bits,
                                   self.config.escalate_to)
             built, watch, served = guard.start(builder, policy)

@@ -27,12 +27,16 @@ The first token climbs the same ladder before it is sent (its TTFT then counts e
 climb costs total time, not TTFT. A request never climbs down. Only a plan with content hits escalates: a repair
 never recomputes exact hits, so a cache whose only doubt is quantized exact hits goes straight to a full prefill.
 Each step that served tokens is recorded as a `Served`: from which answer token on, which step, at which budget.
+
+A step that does not pay for itself where the engine runs (repair/routes.py: its measured cost against a full
+prefill's, its cache's measured chance of being trusted) is skipped, the request's own repair included.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -46,6 +50,7 @@ from ..config import LEVEL_BUDGETS, RepairConfig
 from ..drift import DriftMaps
 from ..kvcache import KVBuffers
 from .protocol import Request, Strategy
+from .routes import Routes
 
 # The steps of the ladder, as `Served.step` names them.
 REPAIR = "repair"  # the request's strategy at its own budget (an unguarded strategy's prefill, too)
@@ -96,6 +101,7 @@ class Builder:
     drift: DriftMaps | None  # the maps the request's content hits are assembled through (None: none)
     capacity: int  # prompt and every token the request may generate
     lock: AbstractContextManager  # the engine's: one forward at a time
+    routes: Routes | None = None  # where each build's time is recorded (None: nowhere)
 
     @torch.inference_mode()
     def repaired(self, budget: float | None = None, answer: Sequence[int] = ()) -> Built:
@@ -103,17 +109,33 @@ class Builder:
         then `answer` [T] teacher-forced after the prompt."""
         settings = self.settings if budget is None else dataclasses.replace(self.settings, recompute_ratio=budget)
         with self.lock:
+            started = time.perf_counter()  # under the lock: the build's own time, not its wait
             cache = assemble(self.plan, self.adapter, self.capacity, drift=self.drift)
             done = self.strategy.prefill(Request(self.adapter, self.plan, cache, settings))
             hidden = done.hidden if not answer else self._append(cache, answer)  # [1, 1, H]
-            return Built(cache, self.adapter.logits(hidden)[-1], done.recomputed_tokens)
+            built = Built(cache, self.adapter.logits(hidden)[-1], done.recomputed_tokens)
+            self._timed(settings.budget, started, built.logits, len(answer))
+            return built
 
     @torch.inference_mode()
     def exact(self, answer: Sequence[int] = ()) -> Built:
         """A full prefill of the prompt and `answer` into a new cache, nothing reused."""
         token_ids = torch.cat([self.plan.token_ids, torch.tensor(list(answer), dtype=torch.long)])  # [N + T]
-        cache, logits = exact_cache(self.adapter, self.lock, token_ids, self.capacity)
+        with self.lock:
+            started = time.perf_counter()
+            cache, logits = exact_cache(self.adapter, self.lock, token_ids, self.capacity)
+            self._timed(1.0, started, logits, len(answer))
         return Built(cache, logits, self.plan.num_tokens)
+
+    def _timed(self, budget: float, started: float, logits: torch.Tensor, answer_tokens: int) -> None:
+        if self.routes is None:
+            return
+        if logits.is_cuda:  # kernels run asynchronously there: the time is the work's once it is done
+            torch.cuda.synchronize(logits.device)
+        if not (self.strategy.reuse_exact or self.strategy.reuse_content):  # the `full` strategy: a full prefill
+            budget = 1.0
+        self.routes.timed(self.strategy.name, budget, time.perf_counter() - started,
+                          self.plan.num_tokens + answer_tokens)
 
     def _append(self, cache: KVBuffers, answer: Sequence[int]) -> torch.Tensor:
         """Run `answer` [T] through every layer after the prompt, writing its K/V: the last one's output [1, 1, H]."""
@@ -219,6 +241,22 @@ class Watch:
         counted in)."""
         return self.exact or self._judge(logits, self.served[-1].budget)
 
+    def step(self, budget: float) -> tuple[str, str, float]:
+        """The ladder step of a cache repaired at `budget`, as repair/routes.py keeps its record."""
+        return self.builder.strategy.name, str(self.policy.fidelity), budget
+
+    def worth(self, budget: float) -> bool:
+        """Whether building the cache at `budget` pays where the engine runs (routes.py); always, without routes."""
+        routes = self.builder.routes
+        return routes is None or routes.worth(self.step(budget))
+
+    def first_judged(self, logits: torch.Tensor, budget: float) -> bool:
+        """Judge a new cache's first token, and record the judgment with the step that made it."""
+        trusted = self._judge(logits, budget)
+        if self.builder.routes is not None:
+            self.builder.routes.judged(self.step(budget), trusted)
+        return trusted
+
     def _judge(self, logits: torch.Tensor, budget: float) -> bool:
         margin = fidelity.margin(logits)
         trusted = self._guard.admits(margin)
@@ -234,10 +272,10 @@ class Watch:
         if self.served[-1].first_token == first:  # refused before serving anything (a first token): not a step
             self.served.pop()
         below = self.served[-1].budget if self.served else self.policy.budget
-        for budget in (b for b in self.policy.escalations if b > below):
+        for budget in (b for b in self.policy.escalations if b > below and self.worth(b)):
             built = self.builder.repaired(budget, answer)
             self._guard.predictor, self._guard.target = self.policy.curve(budget), self.policy.target_at(budget)
-            if self._judge(built.logits, budget):
+            if self.first_judged(built.logits, budget):
                 self.served.append(Served(first, ESCALATE, budget, built.recomputed_tokens))
                 return built
         built = self.builder.exact(answer)
@@ -247,14 +285,18 @@ class Watch:
 
 def start(builder: Builder, guard: Policy | None) -> tuple[Built, Watch | None, tuple[Served, ...]]:
     """A request's first cache: its strategy's prefill, then, when guarded and the first token cannot be trusted
-    there, the ladder. The Watch (None: unguarded) goes on guarding the answer; the steps that serve its first
-    token on."""
-    built = builder.repaired()
-    first = Served(0, REPAIR, builder.settings.budget if builder.strategy.guarded else None, built.recomputed_tokens)
+    there, the ladder (straight to it when the request's own repair does not pay where the engine runs). The Watch
+    (None: unguarded) goes on guarding the answer; the steps that serve its first token on."""
+    budget = builder.settings.budget if builder.strategy.guarded else None
     if guard is None:
-        return built, None, (first,)
-    watch = Watch(guard, builder, [first])
-    if not watch.trusts(built.logits):
+        built = builder.repaired()
+        return built, None, (Served(0, REPAIR, budget, built.recomputed_tokens),)
+    watch = Watch(guard, builder, [Served(0, REPAIR, budget, 0)])
+    if guard.acts and not watch.worth(guard.budget):
+        return watch.climb(()), watch, tuple(watch.served)
+    built = builder.repaired()
+    watch.served[0] = Served(0, REPAIR, budget, built.recomputed_tokens)
+    if not watch.first_judged(built.logits, guard.budget):
         built = watch.climb(())
     return built, watch, tuple(watch.served)
 

@@ -15,7 +15,7 @@ import torch
 from kvboost_rag import fidelity
 from kvboost_rag.assembly import APPROX
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig
-from kvboost_rag.repair import guard
+from kvboost_rag.repair import guard, routes
 from kvboost_rag.repair.guard import ESCALATE, FULL, REPAIR, Served
 
 
@@ -142,3 +142,64 @@ def test_a_later_token_no_budget_trusts_moves_to_a_full_prefill(engine, prompt):
     for k in range(2, out.generated_tokens):
         _, logits = engine._exact_cache(torch.cat([ids, torch.tensor(out.token_ids[:k])]), ids.numel() + TOKENS)
         assert int(logits.argmax()) == out.token_ids[k]
+
+
+def test_a_step_the_guard_never_trusts_is_skipped_once_it_is_measured_not_to_pay(engine, prompt, monkeypatch):
+    """routes.py: a repair refused every time costs its prefill and then a full prefill's; once measured so, the
+    request goes straight to the full prefill (the same answer, fewer prefills), and tries the repair again now and
+    then (routes.EXPLORE_EVERY) in case what is asked has changed."""
+    engine.predictor = constant(ALWAYS)  # no repair trusted, at any budget
+    built = []
+    monkeypatch.setattr(guard.Builder, "repaired", _counting(guard.Builder.repaired, built))
+    full = engine.generate(prompt, max_new_tokens=2, strategy="full", write_back=False)
+    for _ in range(routes.MIN_OUTCOMES):
+        out = engine.generate(prompt, max_new_tokens=2, write_back=False)
+        assert out.token_ids == full.token_ids and out.served == (Served(0, FULL, 1.0, out.prompt_tokens),)
+    tried = len(built)
+    steps = 1 + len(guard.escalations(RepairConfig(), engine.config.escalate_to))  # its own repair, escalations
+    assert tried == 1 + steps * routes.MIN_OUTCOMES  # full's own prefill, then each request's every step
+    # Measured: a repair refused every time never pays (any cost > 0 is above a trusted share of 0).
+    assert engine.routes.trusted_share(("cacheblend", "balanced", BALANCED)) == 0.0
+    for i in range(1, routes.EXPLORE_EVERY + 1):
+        out = engine.generate(prompt, max_new_tokens=2, write_back=False)
+        assert out.token_ids == full.token_ids and out.served == (Served(0, FULL, 1.0, out.prompt_tokens),)
+        assert len(built) == tried + (steps if i == routes.EXPLORE_EVERY else 0)  # only the exploring one repairs
+    assert engine.routes.counters["skipped"] == steps * (routes.EXPLORE_EVERY - 1)
+
+
+def measured(trusted: bool, repair_s: float, full_s: float = 1.0) -> routes.Routes:
+    """Routes that have seen balanced's own repair judged enough times, and timed it and a full prefill."""
+    record = routes.Routes()
+    for _ in range(routes.MIN_OUTCOMES):
+        record.judged(("cacheblend", "balanced", BALANCED), trusted)
+    for _ in range(routes.MIN_TIMINGS):
+        record.timed("cacheblend", BALANCED, repair_s, 100)
+        record.timed("full", routes.FULL, full_s, 100)
+    return record
+
+
+@pytest.mark.parametrize("trusted, repair_s, repairs", [(True, 0.5, True), (True, 2.0, False), (False, 0.01, False)])
+def test_a_step_is_tried_when_its_trusted_share_is_above_its_cost(engine, prompt, trusted, repair_s, repairs):
+    engine.predictor = constant(NEVER)  # the repair would be trusted: only the record decides
+    engine.routes = measured(trusted, repair_s)
+    assert engine.routes.cost("cacheblend", BALANCED) == pytest.approx(repair_s)
+    pre = engine.prefill(prompt, write_back=False)
+    assert (pre.served[0].step == REPAIR) == repairs  # skipped: served by the next step (escalated), never worse
+
+
+def test_without_ladder_costs_every_step_is_tried(make_tiny_engine, prompt):
+    engine = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False), guarded=True)
+    engine.ingest(corpus())
+    engine.predictor = constant(ALWAYS)
+    for _ in range(routes.MIN_OUTCOMES + routes.EXPLORE_EVERY):
+        engine.generate(prompt, max_new_tokens=1, write_back=False)
+    assert engine.routes.counters["skipped"] == 0
+    with pytest.raises(ConfigError, match="ladder_costs"):
+        EngineConfig(ladder_costs="yes")
+
+
+def _counting(method, calls: list):
+    def counted(self, *args, **kwargs):
+        calls.append(args)
+        return method(self, *args, **kwargs)
+    return counted

@@ -1,0 +1,85 @@
+"""Which steps of the guard's ladder pay for themselves: each step's measured cost against a full prefill's, and how
+often the guard trusted the cache it made.
+
+A step of the ladder (repair/guard.py: the request's own repair, each escalation) costs its prefill whether or not
+the guard then trusts its cache; refused, the request pays for the next step too, at worst a full prefill. Trying a
+step of cost c (a share of a full prefill's) whose cache is trusted with chance s costs c + (1 - s) against going
+straight to a full prefill's 1: it pays when s > c. (The steps between are left out of that sum: they only make
+the bound looser, and the steps are few.) Both are measured while serving: c as the median seconds per token of
+the step's last builds against full's, s as the share of the step's last judgments the guard trusted, per strategy,
+level and budget, since a strict level refuses what a balanced one trusts. A step that does not pay is skipped,
+and its request goes on up the ladder. So `strict` on a model whose repairs it never trusts costs a full prefill,
+not two refused repairs and then one, and a device on which a repair is slower than a full prefill (the H200 of
+docs/gpu_h200/) stops repairing.
+
+Skipping only ever serves a request from a cache nearer to a full prefill's: it moves cost, never fidelity.
+Until a step has been judged MIN_OUTCOMES times and both costs timed MIN_TIMINGS times it is tried; a skipped
+step is still tried once every EXPLORE_EVERY skips, so that its share follows what is asked now.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import threading
+from dataclasses import dataclass, field
+
+WINDOW = 32  # the judgments of a step kept: the newest
+TIMINGS = 16  # the build times of a step kept: the newest
+MIN_OUTCOMES = 8
+MIN_TIMINGS = 3
+EXPLORE_EVERY = 8
+FULL = 1.0  # a full prefill's budget, as repair/guard.py records it
+
+Step = tuple[str, str, float]  # (strategy, level, budget) of a judged cache
+
+
+@dataclass
+class Routes:
+    """One engine's record of its ladder's steps; thread-safe (requests climb from several threads)."""
+
+    enabled: bool = True
+    _trusted: dict[Step, collections.deque[bool]] = field(default_factory=dict)
+    _seconds_per_token: dict[tuple[str, float], collections.deque[float]] = field(default_factory=dict)
+    _skips: collections.Counter[Step] = field(default_factory=collections.Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    counters: collections.Counter[str] = field(default_factory=collections.Counter)  # tried, skipped, explored
+
+    def timed(self, strategy: str, budget: float, seconds: float, tokens: int) -> None:
+        """A cache of `strategy` built at `budget` (FULL: a full prefill) over `tokens` tokens took `seconds`."""
+        key = ("full", FULL) if budget >= FULL else (strategy, budget)
+        with self._lock:
+            self._seconds_per_token.setdefault(key, collections.deque(maxlen=TIMINGS)).append(seconds / max(tokens, 1))
+
+    def judged(self, step: Step, trusted: bool) -> None:
+        """The guard judged the first token of a cache `step` made: trusted or not."""
+        with self._lock:
+            self._trusted.setdefault(step, collections.deque(maxlen=WINDOW)).append(trusted)
+
+    def cost(self, strategy: str, budget: float) -> float | None:
+        """A build at `budget` as a share of a full prefill's time per token; None until both are timed enough."""
+        with self._lock:
+            step = self._seconds_per_token.get((strategy, budget), ())
+            full = self._seconds_per_token.get(("full", FULL), ())
+            if len(step) < MIN_TIMINGS or len(full) < MIN_TIMINGS:
+                return None
+            return statistics.median(step) / statistics.median(full)
+
+    def trusted_share(self, step: Step) -> float | None:
+        with self._lock:
+            outcomes = self._trusted.get(step, ())
+            return sum(outcomes) / len(outcomes) if len(outcomes) >= MIN_OUTCOMES else None
+
+    def worth(self, step: Step) -> bool:
+        """Whether to build the cache of `step` = (strategy, level, budget) rather than climb past it."""
+        if not self.enabled:
+            return True
+        share, cost = self.trusted_share(step), self.cost(step[0], step[2])
+        if share is None or cost is None or share > cost:
+            self.counters["tried"] += 1
+            return True
+        with self._lock:
+            self._skips[step] += 1
+            explore = self._skips[step] % EXPLORE_EVERY == 0
+        self.counters["explored" if explore else "skipped"] += 1
+        return explore
