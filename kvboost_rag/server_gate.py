@@ -20,6 +20,13 @@ a malformed one never holds one) and holds it until its response ends, streamed 
 away. A request that finds `max_requests` slots held gets 429 at once (code "queue_full", a Retry-After header)
 instead of waiting, unbounded, behind them.
 
+A client's refusals come slower once it sends many: each 4xx but 429 takes a token from its address's bucket
+(ERROR_BURST tokens, ERROR_RATE more a second), and one that finds it empty is answered ERROR_DELAY_S later. A client
+sending malformed requests back to back keeps the event loop's thread busy refusing them, and with it the GIL that
+the engine's thread needs between its kernels: 350 refusals a second made valid requests 2.3x slower on 2 cores
+(docs/load_test.md). The wait is an asyncio sleep, which costs the server nothing, and a client that waits for each
+answer is held to about ERROR_RATE refusals a second; valid requests, of any client, are never delayed.
+
 The metrics (prefix kvboost_): requests_total{route, status}; requests_in_flight and max_requests (gauges);
 requests_rejected_total (the 429s); ttft_seconds (a histogram of the engine's time to first token); prompt_tokens_total,
 reused_tokens_total (the store's reuse ratio is reused over prompt) and completion_tokens_total, of the requests that
@@ -28,8 +35,10 @@ ran to their end; store_bytes (the KV held in the store's memory tier, read at e
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hmac
+import time
 from collections.abc import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -45,6 +54,9 @@ RETRY_AFTER_S = 1
 ENGINE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/documents"})
 # Seconds; from a tiny model's milliseconds to a long prompt's full prefill on a CPU.
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# A client's refusals: a burst at once, then this many a second, those beyond answered this much later (well within
+# the 100 ms a refusal may take, issue 40). Addresses remembered at most: the least recent forgotten.
+ERROR_BURST, ERROR_RATE, ERROR_DELAY_S, ERROR_CLIENTS = 20, 10.0, 0.05, 4096
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -86,6 +98,12 @@ class ServerMetrics:
                               ("observed_differ", "checked answers that differ from a full prefill's")):
                 Gauge(f"kvboost_shadow_{key}", what, registry=registry).set_function(
                     lambda key=key: shadow.figures()[key])
+        routes = getattr(engine, "routes", None)
+        if routes is not None:  # the guard's ladder (repair/routes.py): steps measured not to pay, skipped or tried
+            for key, what in (("skipped", "steps of the guard's ladder skipped: measured to cost more than they save"),
+                              ("explored", "such steps tried anyway, now and then, to follow what is asked")):
+                Gauge(f"kvboost_ladder_{key}", what, registry=registry).set_function(
+                    lambda key=key: routes.counters[key])
         if hasattr(engine.store, "nbytes"):  # every store make_store builds; a custom KVStore may not say
             store = engine.store
             Gauge("kvboost_store_bytes", "Bytes of KV held in the engine store's memory tier",
@@ -152,6 +170,7 @@ class Gate:
         self.max_body_bytes = max_body_bytes
         self.key = None if api_key is None else api_key.encode()
         self.in_flight = 0  # only the event loop's thread touches it
+        self._refusals: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()  # (tokens, at)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -163,12 +182,25 @@ class Gate:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if 400 <= status < 500 and status != 429 and self._over_refusals(scope):
+                    await asyncio.sleep(ERROR_DELAY_S)
             await send(message)
 
         try:
             await self._serve(scope, receive, counting_send)
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
+
+    def _over_refusals(self, scope) -> bool:
+        """Take a token from the bucket of the request's client address: whether it was empty."""
+        host = (scope.get("client") or ("unknown",))[0]
+        now = time.monotonic()
+        tokens, at = self._refusals.pop(host, (ERROR_BURST, now))
+        tokens = min(ERROR_BURST, tokens + (now - at) * ERROR_RATE)
+        self._refusals[host] = (max(tokens - 1, 0.0), now)
+        if len(self._refusals) > ERROR_CLIENTS:
+            self._refusals.popitem(last=False)
+        return tokens < 1
 
     async def _serve(self, scope, receive, send) -> None:
         unauthorized = self._check_key(scope)

@@ -371,6 +371,8 @@ def test_metrics_count_what_was_served(client, engine, base_url, docs):
     assert moved("kvboost_document_tokens_total") == found == text.kvboost["document_tokens"]
     assert moved("kvboost_document_tokens_reused_total") == text.kvboost["document_tokens_reused"] > 0.9 * found
     assert _sample(after, "kvboost_shadow_checks") == engine.shadow.figures()["checks"]  # issue 41's online checks
+    engine.routes.counters["skipped"] += 3  # the ladder's steps measured not to pay (repair/routes.py)
+    assert _sample(_metrics(base_url), "kvboost_ladder_skipped") == engine.routes.counters["skipped"] >= 3
 
 
 def test_each_app_keeps_its_own_metrics(engine):

@@ -343,3 +343,30 @@ def test_an_error_quotes_at_most_a_little_of_the_request(base_url):
                  {"messages": [{"role": "user", "content": "a", long_name: 1}]}):
         reply = _post(base_url, body)
         assert reply.status_code == 400 and len(reply.content) < 1000, reply.content[:200]
+
+
+def test_a_client_flooding_malformed_requests_is_answered_slower_and_valid_requests_are_not(engine):
+    """A client's refusals beyond server_gate.ERROR_BURST come ERROR_DELAY_S later (an asyncio sleep): a client that
+    waits for each answer is held to about ERROR_RATE refusals a second, so refusing it cannot take the GIL the
+    engine's thread needs (docs/load_test.md). Its valid requests are answered as ever."""
+    from kvboost_rag import server_gate
+
+    bad = {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}
+    with _serving(create_app(engine, model_name=MODEL)) as url:
+        took, first = [], time.perf_counter()
+        for _ in range(3 * server_gate.ERROR_BURST):
+            started = time.perf_counter()
+            _error(_post(url, bad), 400)
+            took.append(time.perf_counter() - started)
+        elapsed = time.perf_counter() - first
+        assert max(took[:server_gate.ERROR_BURST // 2]) < server_gate.ERROR_DELAY_S  # a burst is answered at once
+        fast = sum(t < server_gate.ERROR_DELAY_S for t in took)
+        assert fast <= server_gate.ERROR_BURST + server_gate.ERROR_RATE * elapsed + 1  # then at most the rate
+        assert sum(t >= server_gate.ERROR_DELAY_S for t in took) >= server_gate.ERROR_BURST // 2
+        assert max(took) < 0.1 + server_gate.ERROR_DELAY_S
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            assert _chat(client, max_tokens=2).choices[0].message.content
+        time.sleep(server_gate.ERROR_BURST / server_gate.ERROR_RATE)  # the bucket fills again
+        started = time.perf_counter()
+        _error(_post(url, bad), 400)
+        assert time.perf_counter() - started < server_gate.ERROR_DELAY_S

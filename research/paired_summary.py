@@ -1,0 +1,49 @@
+"""Paired figures of a `kvboost-rag bench --json` report, per strategy against full: whole answers' time summed over
+items (full's over the strategy's), accuracy lost / won on the same items, agreement, and the guard's estimate
+against the answers that differed. (The bench's table shows medians and means; the issue-41 targets are sums and
+pairs.)
+
+    .venv/bin/python research/paired_summary.py out/g41/fh_64_routes.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def summary(report: dict) -> list[dict]:
+    items = report["per_item"]
+    full_total = sum(item["full"]["total_ms"] for item in items)
+    rows = []
+    for name in report["strategies"]:
+        if name == "full":
+            continue
+        got = [item[name] for item in items]
+        lost = sum(i["full"]["accuracy"] > g["accuracy"] for i, g in zip(items, got, strict=True))
+        won = sum(i["full"]["accuracy"] < g["accuracy"] for i, g in zip(items, got, strict=True))
+        totals = [g["total_ms"] for g in got if g.get("total_ms") is not None]
+        rows.append({"strategy": name, "items": len(items), "agreement": sum(g["agreement"] for g in got) / len(got),
+                     "accuracy": sum(g["accuracy"] for g in got) / len(got), "lost": lost, "won": won,
+                     "whole_speedup": full_total / sum(totals) if len(totals) == len(items) else None,
+                     "estimate": sum(g.get("fidelity_estimate", 0.0) for g in got) / len(got),
+                     "differs": sum(g.get("differs", 0.0) for g in got) / len(got)})
+    return rows
+
+
+def main(paths: list[str]) -> None:
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        print(f"{path}: {report['model']}, {report['dtype']}, {report['items']} items, "
+              f"{report['max_new_tokens']} tokens")
+        print("| strategy | agree@16 | accuracy (lost / won) | whole answers, summed | P(differs) / differs |")
+        print("|---|---|---|---|---|")
+        for r in summary(report):
+            whole = "-" if r["whole_speedup"] is None else f"{r['whole_speedup']:.2f}x"
+            print(f"| {r['strategy']} | {r['agreement']:.3f} | {r['accuracy']:.3f} ({r['lost']} / {r['won']}) | "
+                  f"{whole} | {r['estimate']:.3f} / {r['differs']:.3f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
