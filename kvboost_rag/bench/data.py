@@ -17,8 +17,9 @@ not part of the package: `research/datasets/` (`shipped.py` rebuilds these files
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -67,6 +68,30 @@ def load_items(path: str | Path, limit: int | None = None) -> list[BenchItem]:
     if not items and limit != 0:
         raise ValueError(f"{path}: no items")
     return items
+
+
+def in_orders(items: Iterable[BenchItem], orders: int, seed: int = 0) -> list[BenchItem]:
+    """Each item asked over its documents in `orders` orders: the file's, then seeded shuffles (fewer when the
+    documents have fewer orders), each an item of its own, id "ID@2.0.1". A retriever returns documents in any
+    order, and the file's one order per item can be kinder to a reused cache than the rest (docs/load_test.md)."""
+    if orders < 1:
+        raise ValueError(f"orders must be >= 1, got {orders}")
+    rng = random.Random(seed)
+    asked = []
+    for item in items:
+        n = len(item.documents)
+        seen = [tuple(range(n))]
+        for _ in range(20 * orders):  # 2 documents have only 2 orders: stop looking for a third
+            if len(seen) == orders:
+                break
+            order = tuple(rng.sample(range(n), n))
+            if order not in seen:
+                seen.append(order)
+        for order in seen:
+            answer_doc = None if item.answer_doc is None else order.index(item.answer_doc)
+            asked.append(replace(item, id=item.id if order == seen[0] else f"{item.id}@{'.'.join(map(str, order))}",
+                                 documents=tuple(item.documents[i] for i in order), answer_doc=answer_doc))
+    return asked
 
 
 def _parse_item(line: str) -> BenchItem:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..bench.data import load_items
+from ..bench.data import in_orders, load_items
 from ..bench.report import plot, table
 from ..bench.run import StrategySpec, parse_strategies, run_bench
 from ..config import DTYPE_NAMES, ConfigError, EngineConfig, StoreConfig
@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
                         "e.g. 'cacheblend:recompute_ratio=0.3+taper=1'")
     p.add_argument("--limit", type=count(1), default=None, help="N items (after --skip)")
     p.add_argument("--skip", type=count(0), default=0, help="skip the first N items (a tuning slice, say)")
+    p.add_argument("--orders", type=count(1), default=1,
+                   help="ask each item over its documents in N orders: the file's, then seeded shuffles, each "
+                        "scored as an item of its own (a retriever returns documents in any order)")
     # 32: the bundled model often restates the question before the answer; 16 cuts answers off.
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--layout", default="bench", choices=tuple(LAYOUTS),
@@ -56,6 +59,7 @@ def checked_settings(args: argparse.Namespace) -> tuple[EngineConfig, list[Strat
 def main(args: argparse.Namespace) -> int:
     config, specs = checked_settings(args)
     items = load_items(args.data, limit=None if args.limit is None else args.skip + args.limit)[args.skip:]
+    items = in_orders(items, args.orders)
     engine = make_engine(args, config)
     floor_dtype = {"auto": "bfloat16" if config.dtype == "float32" else "float32"}.get(args.noise_floor,
                                                                                       args.noise_floor)

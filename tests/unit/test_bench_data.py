@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvboost_rag.bench.data import BENCH_DIR, BenchItem, bundled, load_items, write_items
+from kvboost_rag.bench.data import BENCH_DIR, BenchItem, bundled, in_orders, load_items, write_items
 
 # ---------------------------------------------------------------------------------------------------
 # Loader
@@ -98,3 +98,20 @@ def test_bundled_names_the_available_files():
     assert bundled("synthetic_k8") == bundled("synthetic_k8.jsonl")
     with pytest.raises(ValueError, match="no bundled benchmark file 'nope'; available: .*synthetic_k8"):
         bundled("nope")
+
+
+def test_each_item_is_asked_in_several_orders_the_files_first():
+    item = BenchItem("q1", ("a", "b", "c", "d"), "which?", answers=("x",), answer_doc=2)
+    asked = in_orders([item, BenchItem("q2", ("e", "f"), "and?")], orders=4, seed=3)
+    first = [a for a in asked if a.id.startswith("q1")]
+    assert first[0] == item  # the file's order, its id unchanged
+    assert len(first) == 4 and len({a.documents for a in first}) == 4
+    for a in first[1:]:
+        order = tuple(int(i) for i in a.id.split("@")[1].split("."))
+        assert a.documents == tuple(item.documents[i] for i in order)
+        assert a.documents[a.answer_doc] == "c" and a.answers == item.answers and a.question == item.question
+    assert [a.documents for a in asked if a.id.startswith("q2")] == [("e", "f"), ("f", "e")]  # only two orders
+    assert in_orders([item], orders=4, seed=3) == first  # seeded
+    assert in_orders([item], orders=1) == [item]
+    with pytest.raises(ValueError, match="orders"):
+        in_orders([item], orders=0)

@@ -260,6 +260,7 @@ def test_cli_refuses_bad_settings_in_one_line_before_reading_anything(argv, flag
 @pytest.mark.parametrize(("argv", "message"), [
     (["bench", "--data", "x.jsonl", "--skip", "-1"], "argument --skip: must be an integer >= 0, got '-1'"),
     (["bench", "--data", "x.jsonl", "--limit", "0"], "argument --limit: must be an integer >= 1"),
+    (["bench", "--data", "x.jsonl", "--orders", "0"], "argument --orders: must be an integer >= 1"),
     (["ingest", "x.txt", "--drift-places", "0"], "argument --drift-places: must be an integer >= 1"),
     (["bench-store", "--data", "x.jsonl", "--bits", "16,3"], "argument --bits: must be a comma list of 16, 8, 4"),
     (["ask", "q?", "--docs", "x.txt", "--kv-bits", "3"], "argument --kv-bits: invalid choice"),
