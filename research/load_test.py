@@ -72,7 +72,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvboost_rag.bench.data import BenchItem, bundled, load_items
+from kvboost_rag.bench.data import BenchItem, bundled, document_orders, load_items
 from kvboost_rag.prompts import rag_messages
 
 STRATEGIES = ("full", "cacheblend")
@@ -107,15 +107,7 @@ def build_prompts(items: list[BenchItem], orders: int, seed: int) -> list[Prompt
     rng = random.Random(seed)
     prompts = []
     for item in items:
-        n = len(item.documents)
-        seen = [tuple(range(n))]
-        for _ in range(20 * orders):  # a 2-document item has only 2 orders
-            if len(seen) == orders:
-                break
-            order = tuple(rng.sample(range(n), n))
-            if order not in seen:
-                seen.append(order)
-        for order in seen:
+        for order in document_orders(len(item.documents), orders, rng):
             key = f"{item.id}@{'.'.join(map(str, order))}"
             prompts.append(Prompt(key, rag_messages([item.documents[i] for i in order], item.question, item.system)))
     return prompts

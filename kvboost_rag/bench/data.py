@@ -79,19 +79,24 @@ def in_orders(items: Iterable[BenchItem], orders: int, seed: int = 0) -> list[Be
     rng = random.Random(seed)
     asked = []
     for item in items:
-        n = len(item.documents)
-        seen = [tuple(range(n))]
-        for _ in range(20 * orders):  # 2 documents have only 2 orders: stop looking for a third
-            if len(seen) == orders:
-                break
-            order = tuple(rng.sample(range(n), n))
-            if order not in seen:
-                seen.append(order)
+        seen = document_orders(len(item.documents), orders, rng)
         for order in seen:
             answer_doc = None if item.answer_doc is None else order.index(item.answer_doc)
             asked.append(replace(item, id=item.id if order == seen[0] else f"{item.id}@{'.'.join(map(str, order))}",
                                  documents=tuple(item.documents[i] for i in order), answer_doc=answer_doc))
     return asked
+
+
+def document_orders(n: int, orders: int, rng: random.Random) -> list[tuple[int, ...]]:
+    """Up to `orders` distinct orders of n documents drawn from `rng`: the given order first, then shuffles."""
+    seen = [tuple(range(n))]
+    for _ in range(20 * orders):  # 2 documents have only 2 orders: stop looking for a third
+        if len(seen) == orders:
+            break
+        order = tuple(rng.sample(range(n), n))
+        if order not in seen:
+            seen.append(order)
+    return seen
 
 
 def _parse_item(line: str) -> BenchItem:
