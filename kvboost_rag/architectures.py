@@ -24,6 +24,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -119,6 +120,12 @@ def rope(rotary, positions: torch.Tensor, like: torch.Tensor, table: str) -> tup
 
 
 GQA_SDPA = "kvboost_sdpa"
+# CUDA attention runs without cuDNN's kernel, torch's first choice on Hopper: it builds a graph for each new shape,
+# and a cacheblend repair runs a new query count at each layer, so on an H200 a prompt's first repair cost ~1 s
+# against ~0.1 s once its shapes had run (docs/gpu_h200/). Flash takes the unmasked causal runs, memory-efficient
+# attention the masked ones; neither sets up per shape. False: torch's own choice (research/gpu_profile.py --cold).
+CUDA_WITHOUT_CUDNN = True
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _sdpa_gqa_masked(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -137,6 +144,10 @@ def _sdpa_gqa_masked(module, query, key, value, attention_mask, dropout=0.0, sca
         mask = None if attention_mask is None else attention_mask[..., :key.shape[2]]
         return one_query_per_row(query, key, value, mask, scaling), None
     if attention_mask is None or query.device.type != "cpu" or kwargs.get("position_bias") is not None:
+        if query.is_cuda and CUDA_WITHOUT_CUDNN:
+            with sdpa_kernel(_CUDA_BACKENDS):
+                return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,

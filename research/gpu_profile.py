@@ -20,9 +20,9 @@ that makes the host wait to the line of kvboost_rag that called it. The ladder's
 8 judgments before they skip a step, so the few runs here are all served as a new engine's first requests are.
 
 All of that is warm: the prompt's shapes have run before. With `--cold N`, 2N fresh prompts of the same size follow,
-each prefilled twice (full, then cacheblend fast; cold, then warm), N under torch's default attention backends and N
-with cuDNN's attention off (torch.backends.cuda.enable_cudnn_sdp(False)): what a prompt's first prefill costs, and
-whether that is attention set up anew for its shapes (docs/gpu_h200/README.md).
+each prefilled twice (full, then cacheblend fast; cold, then warm), alternately with torch's own choice of attention
+kernel (cuDNN's on Hopper) and as the adapter runs CUDA attention, without cuDNN's (architectures.CUDA_WITHOUT_CUDNN):
+what a prompt's first prefill costs, and what of it is attention set up anew for its shapes (docs/gpu_h200/).
 
     python3 research/gpu_profile.py --out $OUT/profile.txt                        # on the GPU: ~4k tokens, bf16
     python3 research/gpu_profile.py --cold 3 --out $OUT/profile.txt               # and 6 fresh prompts, cold/warm
@@ -44,7 +44,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvboost_rag import EngineConfig, KVBoost, RepairConfig
+from kvboost_rag import EngineConfig, KVBoost, RepairConfig, architectures
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import read_stored, render_prompt, store_shared_prefix
 from kvboost_rag.bench.scaling import build_prompts, ingest, token_counter
@@ -233,8 +233,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the report to this file")
     parser.add_argument("--cold", type=int, default=0,
                         help="then 2N fresh prompts of the same size, each prefilled once cold (its shapes new to the "
-                             "kernels) and once warm, full and cacheblend fast: N under torch's default attention "
-                             "backends, N with cuDNN's off (default 0: none)")
+                             "kernels) and once warm, full and cacheblend fast: N with torch's own choice of "
+                             "attention kernel, N without cuDNN's, alternately (default 0: none)")
     args = parser.parse_args()
 
     report: list[str] = []
@@ -304,15 +304,15 @@ def main() -> None:
         # `cacheblend fast`: the default's repair would soon be skipped by the ladder's step costs (routes.py).
         say("## Fresh prompts: TTFT cold (the prompt's first prefill) -> warm (its second), ms", "")
         for i, spec in enumerate(specs[1:]):
-            cudnn = i < args.cold
-            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            cudnn = i % 2 == 0
+            architectures.CUDA_WITHOUT_CUDNN = not cudnn
             messages, times = render_prompt(spec.item), collections.defaultdict(list)
             for _ in ("cold", "warm"):
                 for kind in ("full", "cacheblend fast"):
                     times[kind].append(run(kind, messages)[0].ttft_ms)
-            say(f"  {spec.item.id} ({spec.tokens} tokens), cuDNN attention {'on ' if cudnn else 'off'}: "
+            say(f"  {spec.item.id} ({spec.tokens} tokens), cuDNN attention {'allowed' if cudnn else 'left out'}: "
                 + ", ".join(f"{kind} {cold:.1f} -> {warm:.1f}" for kind, (cold, warm) in times.items()))
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        architectures.CUDA_WITHOUT_CUDNN = True
         say("")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
