@@ -20,6 +20,7 @@ cannot be supported at all. With adapter.py it is the only code that knows trans
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -144,12 +145,9 @@ def _sdpa_gqa_masked(module, query, key, value, attention_mask, dropout=0.0, sca
         mask = None if attention_mask is None else attention_mask[..., :key.shape[2]]
         return one_query_per_row(query, key, value, mask, scaling), None
     if attention_mask is None or query.device.type != "cpu" or kwargs.get("position_bias") is not None:
-        if query.is_cuda and CUDA_WITHOUT_CUDNN:
-            with sdpa_kernel(_CUDA_BACKENDS):
-                return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                              scaling=scaling, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        with sdpa_kernel(_CUDA_BACKENDS) if query.is_cuda and CUDA_WITHOUT_CUDNN else contextlib.nullcontext():
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                                            enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None  # [B, Q, H, D], as the attention modules take it back
