@@ -13,13 +13,14 @@ documents in reverse order (the order floor). Mean KL and top-token flips per bl
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
-from load_test import build_prompts
 
 from kvboost_rag import KVBoost, RepairConfig
-from kvboost_rag.bench.data import bundled, load_items
-from kvboost_rag.prompts import rag_messages
+from kvboost_rag.bench.data import bundled, in_orders, load_items
+from kvboost_rag.bench.run import kl as kl_divergence
+from kvboost_rag.bench.run import render_prompt
 
 SKIP = 130
 BLOCKS = ((0, 1), (1, 16), (16, 32), (32, 64))
@@ -39,7 +40,6 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     items = load_items(bundled("synthetic_k8"), SKIP + args.items)[SKIP:]
-    by_id = {item.id: item for item in items}
     engine = KVBoost.from_pretrained(dtype="float32")
     engine.ingest(list(dict.fromkeys(doc for item in items for doc in item.documents)), progress=False)
     others = {"fast (default budget)": ("cacheblend", RepairConfig(fidelity="fast")),
@@ -47,21 +47,20 @@ def main() -> None:
               "order floor (reversed)": ("full", None)}
     kl = {name: [] for name in others}
     flips = {name: [] for name in others}
-    for prompt in build_prompts(items, args.orders, 0):
-        item = by_id[prompt.key.split("@")[0]]
-        order = [int(i) for i in prompt.key.split("@")[1].split(".")]
-        answer = engine.generate(prompt.messages, max_new_tokens=args.tokens, strategy="full", write_back=False)
+    for item in in_orders(items, args.orders):
+        messages = render_prompt(item)
+        answer = engine.generate(messages, max_new_tokens=args.tokens, strategy="full", write_back=False)
         ids = list(answer.token_ids)
         if len(ids) < 2:
             continue
-        truth = teacher_forced(engine, prompt.messages, "full", None, ids).log_softmax(-1)
-        reversed_messages = rag_messages([item.documents[i] for i in reversed(order)], item.question, item.system)
+        truth = teacher_forced(engine, messages, "full", None, ids)
+        reversed_messages = render_prompt(replace(item, documents=item.documents[::-1]))
         for name, (strategy, repair) in others.items():
-            messages = reversed_messages if name.startswith("order") else prompt.messages
-            other = teacher_forced(engine, messages, strategy, repair, ids).log_softmax(-1)
-            kl[name].append((truth.exp() * (truth - other)).sum(-1))
+            other = teacher_forced(engine, reversed_messages if name.startswith("order") else messages, strategy,
+                                   repair, ids)
+            kl[name].append(kl_divergence(truth, other))
             flips[name].append((truth.argmax(-1) != other.argmax(-1)).float())
-        print(prompt.key, len(ids), {n: f"{kl[n][-1].mean():.3f}" for n in others}, flush=True)
+        print(item.id, len(ids), {n: f"{kl[n][-1].mean():.3f}" for n in others}, flush=True)
     print(f"{len(kl['naive'])} answers; mean KL(full || other) / share of positions whose top token differs")
     print("| | " + " | ".join(f"positions {a}-{b - 1}" for a, b in BLOCKS) + " |")
     print("|---|" + "---|" * len(BLOCKS))

@@ -18,18 +18,17 @@ import collections
 import json
 import re
 
-from load_test import build_prompts
-
 from kvboost_rag import KVBoost, RepairConfig
-from kvboost_rag.bench.data import bundled, load_items
-from kvboost_rag.bench.run import correct
+from kvboost_rag.bench.data import bundled, in_orders, load_items
+from kvboost_rag.bench.run import correct, render_prompt
 
 WORD = re.compile(r"[A-Z][a-z]+|\d[\d,]*\d")
 SKIP = 130  # synthetic_k8's items after the tuning slice
 
 
-def attribute(text: str, documents: list[str], question: str) -> int | None:
-    """The index of the one document whose distinctive words the answer names most; None if none or tied."""
+def attribute(text: str, documents: tuple[str, ...], question: str) -> int | None:
+    """The place in the prompt of the one document whose distinctive words the answer names most; None if none or
+    tied."""
     words = [set(WORD.findall(d)) for d in documents]
     named = set(WORD.findall(text)) - set(WORD.findall(question))
     scores = [len(named & (own - set().union(*(w for j, w in enumerate(words) if j != i))))
@@ -47,7 +46,6 @@ def main() -> None:
     parser.add_argument("--json", help="write every answer here")
     args = parser.parse_args()
     items = load_items(bundled("synthetic_k8"), SKIP + args.items)[SKIP:]
-    by_id = {item.id: item for item in items}
     engine = KVBoost.from_pretrained(dtype="float32")
     engine.ingest(list(dict.fromkeys(doc for item in items for doc in item.documents)), progress=False)
     runs = {"full": None, "naive": RepairConfig(fidelity="fast", recompute_ratio=0.0)}
@@ -57,25 +55,24 @@ def main() -> None:
     else:
         runs |= {"fast": RepairConfig(fidelity="fast"), "fast 0.3": RepairConfig(fidelity="fast", recompute_ratio=0.3)}
     rows = []
-    for prompt in build_prompts(items, args.orders, 0):
-        item = by_id[prompt.key.split("@")[0]]
-        order = [int(i) for i in prompt.key.split("@")[1].split(".")]
-        row = {"prompt": prompt.key}
+    for item in in_orders(items, args.orders):  # the documents in the order they are asked in
+        messages = render_prompt(item)
+        row = {"prompt": item.id}
         for run, repair in runs.items():
-            out = engine.generate(prompt.messages, max_new_tokens=args.tokens, write_back=False,
+            out = engine.generate(messages, max_new_tokens=args.tokens, write_back=False,
                                   **({"strategy": "full"} if repair is None else {"repair": repair}))
-            doc = attribute(out.text, item.documents, item.question)
-            row[run] = {"correct": correct(out.text, item.answers), "doc": doc,
-                        "place": None if doc is None else order.index(doc), "text": out.text, "ids": out.token_ids}
+            row[run] = {"correct": correct(out.text, item.answers),
+                        "place": attribute(out.text, item.documents, item.question), "text": out.text,
+                        "ids": out.token_ids}
         rows.append(row)
-        print(prompt.key, {run: (row[run]["correct"], row[run]["place"]) for run in runs}, flush=True)
+        print(item.id, {run: (row[run]["correct"], row[run]["place"]) for run in runs}, flush=True)
     for run in runs:
         lost = sum(r["full"]["correct"] > r[run]["correct"] for r in rows)
         won = sum(r["full"]["correct"] < r[run]["correct"] for r in rows)
         places = collections.Counter(r[run]["place"] for r in rows)
         print(f"{run}: accuracy {sum(r[run]['correct'] for r in rows):.0f}/{len(rows)}, lost {lost} won {won}, "
               f"same as full {sum(r[run]['ids'] == r['full']['ids'] for r in rows)}, "
-              f"full's document {sum(r[run]['doc'] == r['full']['doc'] for r in rows)}, "
+              f"full's document {sum(r[run]['place'] == r['full']['place'] for r in rows)}, "
               f"places named {dict(sorted(places.items(), key=str))}")
     if args.json:
         with open(args.json, "w") as f:
