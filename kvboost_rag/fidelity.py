@@ -28,11 +28,9 @@ does (the order floor), "strict" no more often than a full prefill in the other 
 dtype floor). Each floor is a curve too, P(the floor's token differs | margin), fitted on the same steps (the
 floor's flips against the reused cache's margins at that budget): a request is trusted while its risk stays within
 the risk the floor would run over the very same tokens. So an answer through unsure tokens, which any other
-order would change as well, is not moved for being unsure, and a long one not for being long. A "strict" answer may
-also run the risk a typical answer of its floor runs over as many tokens (`typical_hazard`): the repaired cache
-deviates more than bf16 at every margin, so over its own tokens alone the dtype floor moves nearly every answer.
-"fast" has no guard; a number in (0, 1) is a fixed risk per answer; without floors (no calibration yet) the levels
-fall back to BALANCED and STRICT per answer, and the model's DEFAULT curve serves, a conservative one.
+order would change as well, is not moved for being unsure, and a long one not for being long. "fast" has no
+guard; a number in (0, 1) is a fixed risk per answer; without floors (no calibration yet) the levels fall back to
+BALANCED and STRICT per answer, and the model's DEFAULT curve serves, a conservative one.
 
 Predicted against observed (`Observed`): the shadow checks' figures (the answers' summed risks against those that
 differed from a full prefill's; the served tokens' summed flip chances against the flips) are kept with the curve
@@ -59,10 +57,6 @@ LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
 STRICT = 0.03
 MIN_TOKENS = 32  # calibration tokens a fit needs, at least a few of them flips
-# Answer tokens over which a typical answer of the floor runs the risk a strict answer may run from its first token
-# on (Guard.hazard): the length agreement with full's answer is judged at (the bench's agree@16), so that the share
-# of answers differing in their first 16 tokens stays the floor's while early tokens are not held tighter than that.
-HORIZON = 16
 # Used until a corpus is calibrated: a flip is even odds at margin 0 and 1 in 50 at 2 nats.
 DEFAULT = (0.0, -2.0)
 
@@ -190,15 +184,12 @@ class Guard:
     (and counts its risk in), or must come from an exact one. `target`: a fixed risk per answer, or a floor's
     curve (the risk the floor would run over the same tokens, accumulated alongside); `minimum`: a risk per answer
     always allowed, so that a floor measured on few calibration prompts, which may have changed nothing, never
-    holds a level tighter than its fixed target (BALANCED, STRICT); `hazard`: the floor's flips per token at
-    calibration, so that an answer may also run the risk a typical answer of the floor runs over as many tokens,
-    1 - (1 - hazard)^t, and over HORIZON tokens before it has that many (see `typical_hazard`)."""
+    holds a level tighter than its fixed target (BALANCED, STRICT)."""
 
-    def __init__(self, predictor: Predictor, target: float | Predictor, minimum: float = 0.0, hazard: float = 0.0):
-        self.predictor, self.target, self.minimum, self.hazard = predictor, target, minimum, hazard
+    def __init__(self, predictor: Predictor, target: float | Predictor, minimum: float = 0.0):
+        self.predictor, self.target, self.minimum = predictor, target, minimum
         self.survive = 1.0  # chance the answer so far equals a full prefill's
         self.floor_survive = 1.0  # the same for the floor, over the same tokens
-        self.tokens = 0  # tokens admitted so far
 
     @property
     def risk(self) -> float:
@@ -215,30 +206,11 @@ class Guard:
             allowed = max(1.0 - self.floor_survive * (1.0 - q), self.minimum)
         else:
             q, allowed = 0.0, self.target
-        allowed = max(allowed, 1.0 - (1.0 - self.hazard) ** max(self.tokens + 1, HORIZON))
         if 1.0 - self.survive * (1.0 - p) > allowed:
             return False
         self.survive *= 1.0 - p
         self.floor_survive *= 1.0 - q
-        self.tokens += 1
         return True
-
-
-def typical_hazard(fidelity: str | float, curve: Predictor) -> float:
-    """The per-token hazard `Guard` lets a request at `fidelity`, judged by `curve`, run as well: for "strict", its
-    floor's flips per calibration token (a bf16 full prefill's flips against the float32 answer); else 0.
-
-    Why strict only: held to the dtype floor over its own tokens alone, a strict answer is moved at its first unsure
-    token, since the repaired cache deviates more than bf16 at every margin, and two thirds of strict's answers moved
-    to a full prefill mid-answer (docs/method.md). The level's promise is a share of answers ("no more often than a
-    bf16 full prefill differs"): an answer whose risk stays within the floor's typical risk over as many tokens (at
-    least HORIZON) keeps the share of answers differing by token t >= HORIZON at most that of the floor's answers.
-    "balanced" keeps the rule over its own tokens: the order floor flips often, so there its typical risk would let
-    most answers run unguarded."""
-    if fidelity != "strict" or curve.floors is None:
-        return 0.0
-    floor = curve.floors[1]
-    return floor.flips / floor.tokens if floor.tokens else 0.0
 
 
 def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, budget: float = 0.0) -> Predictor:

@@ -178,10 +178,6 @@ class Policy:
     def target(self) -> float | fidelity.Predictor:
         return self.target_at(self.budget)
 
-    def hazard_at(self, budget: float) -> float:
-        """The floor's typical per-token hazard a cache repaired at `budget` may run as well (fidelity.Guard)."""
-        return fidelity.typical_hazard(self.fidelity, self.curve(budget))
-
     @property
     def minimum(self) -> float:
         """The risk per answer a floor-held level always allows: its fixed target (fidelity.Guard)."""
@@ -222,15 +218,13 @@ class Watch:
                  judged: Sequence[Judged] = ()):
         self.policy, self.builder, self.served, self.judged = policy, builder, list(served), list(judged)
         budget = self.served[-1].budget
-        self._guard = fidelity.Guard(policy.curve(budget), policy.target_at(budget), policy.minimum,
-                                     policy.hazard_at(budget))
+        self._guard = fidelity.Guard(policy.curve(budget), policy.target_at(budget), policy.minimum)
         self._guard.survive = 1.0 - risk
         for j in self.judged:  # the floor's risk over the tokens served so far, as the prefill's guard ran it
             floor = policy.target_at(j.budget)
             if j.served and isinstance(floor, fidelity.Predictor):
                 self._guard.floor_survive *= 1.0 - floor.flip_chance(j.margin)
         self._next = sum(j.served for j in self.judged)  # the answer token judged next: one per trusted judgment
-        self._guard.tokens = self._next
 
     @property
     def risk(self) -> float:
@@ -281,7 +275,6 @@ class Watch:
         for budget in (b for b in self.policy.escalations if b > below and self.worth(b)):
             built = self.builder.repaired(budget, answer)
             self._guard.predictor, self._guard.target = self.policy.curve(budget), self.policy.target_at(budget)
-            self._guard.hazard = self.policy.hazard_at(budget)
             if self.first_judged(built.logits, budget):
                 self.served.append(Served(first, ESCALATE, budget, built.recomputed_tokens))
                 return built

@@ -326,33 +326,3 @@ def test_a_nearly_separable_sample_gives_a_steep_curve_not_a_blown_up_one():
     curve = fidelity.fit(margins, flipped)
     assert all(math.isfinite(v) for v in (curve.intercept, curve.slope)) and abs(curve.slope) < 1e3
     assert curve.flip_chance(0.1) > 0.5 > curve.flip_chance(1.0)
-
-
-def test_strict_may_also_run_the_risk_a_typical_answer_of_its_floor_runs_over_as_many_tokens():
-    """Held to the dtype floor over its own tokens alone, a strict answer is moved at its first unsure token; with the
-    floor's flips per calibration token (8 of 128 here), it is moved only once its risk passes the floor's typical
-    risk over as many tokens, at least HORIZON (16): 1 - (1 - 1/16)^max(t, 16). Balanced, and a curve without
-    floors, keep their rule."""
-    dtype = replace(fidelity.Predictor(-3.0, -1.0), tokens=128, flips=8)
-    curve = replace(fidelity.Predictor(0.0, -1.0), floors=(fidelity.Predictor(0.5, -1.0), dtype))
-    assert fidelity.typical_hazard("strict", curve) == pytest.approx(1 / 16)
-    assert fidelity.typical_hazard("balanced", curve) == 0.0
-    assert fidelity.typical_hazard("strict", fidelity.Predictor(0.0, -1.0)) == 0.0
-    assert fidelity.typical_hazard("strict", replace(curve, floors=(dtype, replace(dtype, tokens=0, flips=0)))) == 0.0
-    steady = torch.tensor([math.log(99.0), 0.0])  # a 1% chance a token flips
-    pairwise = fidelity.Guard(curve, fidelity.target_for("strict", curve), minimum=fidelity.STRICT)
-    typical = fidelity.Guard(curve, fidelity.target_for("strict", curve), fidelity.STRICT,
-                             fidelity.typical_hazard("strict", curve))
-    kept = sum(pairwise.trusts(steady) for _ in range(16))
-    assert kept == 3  # 3% per answer: the fourth 1% token is refused
-    assert all(typical.trusts(steady) for _ in range(16)) and typical.tokens == 16
-    assert typical.risk == pytest.approx(1 - 0.99 ** 16) and typical.risk <= 1 - (15 / 16) ** 16
-    # A 45% token first: within 1 - (15/16)^16 (64%); a 37% one then is refused until the horizon is passed.
-    early = fidelity.Guard(curve, fidelity.target_for("strict", curve), fidelity.STRICT, 1 / 16)
-    worse = torch.tensor([math.log(0.55 / 0.45), 0.0])  # 45%
-    some = torch.tensor([math.log(0.63 / 0.37), 0.0])  # 37%
-    assert early.trusts(worse) and not early.trusts(some) and early.tokens == 1
-    assert 1 - (15 / 16) ** 16 < 1 - 0.55 * 0.63 < 1 - (15 / 16) ** 17  # refused at token 2, trusted at token 17
-    late = fidelity.Guard(curve, fidelity.target_for("strict", curve), fidelity.STRICT, 1 / 16)
-    assert late.trusts(worse) and all(late.trusts(torch.tensor([40.0, 0.0])) for _ in range(15))  # ~0 risk
-    assert late.trusts(some) and late.tokens == 17

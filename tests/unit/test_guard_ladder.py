@@ -203,23 +203,3 @@ def _counting(method, calls: list):
         calls.append(args)
         return method(self, *args, **kwargs)
     return counted
-
-
-def test_strict_keeps_an_answer_whose_risk_stays_within_its_floors_typical_risk(engine, prompt):
-    """Each token risks 5% at strict's budget, the dtype floor over the same tokens nothing: held to that alone (and
-    its 3% per answer) the first token goes to a full prefill. The floor flipped 5.1% of its calibration tokens, so
-    an answer may run 1 - 0.949^t over t >= 16 tokens: every token is served from strict's repair, across the
-    prefill and the stream that goes on from it (the count of tokens judged carries over: counted again from the
-    stream's start, token 17 would be refused)."""
-    tokens = fidelity.HORIZON + 8
-    floors = (constant(NEVER, STRICT), dataclasses.replace(constant(NEVER, STRICT), tokens=1000, flips=51))
-    strict = RepairConfig(fidelity="strict")
-    engine.predictor = dataclasses.replace(constant(0.05, STRICT), floors=floors)
-    own = engine.generate(prompt, max_new_tokens=tokens, write_back=False, repair=fast(STRICT))
-    out = engine.generate(prompt, max_new_tokens=tokens, write_back=False, repair=strict)
-    assert out.generated_tokens == tokens  # the random model says no end of text this soon
-    assert out.served == (Served(0, REPAIR, STRICT, own.recomputed_tokens),) and out.token_ids == own.token_ids
-    assert out.fidelity_estimate == pytest.approx(1 - 0.95 ** tokens)
-    engine.predictor = dataclasses.replace(engine.predictor, floors=(floors[0], constant(NEVER, STRICT)))
-    held = engine.generate(prompt, max_new_tokens=tokens, write_back=False, repair=strict)
-    assert held.served == (Served(0, FULL, 1.0, held.prompt_tokens),)
