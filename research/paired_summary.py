@@ -4,6 +4,7 @@ against the answers that differed. (The bench's table shows medians and means; t
 pairs.)
 
     .venv/bin/python research/paired_summary.py out/g41/fh_64_routes.json
+    .venv/bin/python research/paired_summary.py --pooled a.json b.json   # runs on other items as one (same length)
 """
 
 from __future__ import annotations
@@ -32,9 +33,22 @@ def summary(report: dict) -> list[dict]:
     return rows
 
 
+def pooled(reports: list[dict]) -> dict:
+    """Reports of runs on other items as one: their items together, the strategies every run has."""
+    names = [n for n in reports[0]["strategies"] if all(n in r["strategies"] for r in reports)]
+    if len({r["max_new_tokens"] for r in reports}) != 1:
+        raise SystemExit("--pooled: the runs' answer lengths differ")
+    items = [{k: v for k, v in item.items() if k in names or k == "id"} for r in reports for item in r["per_item"]]
+    return reports[0] | {"strategies": {n: None for n in names}, "per_item": items, "items": len(items)}
+
+
 def main(paths: list[str]) -> None:
-    for path in paths:
-        report = json.loads(Path(path).read_text())
+    if paths and paths[0] == "--pooled":
+        reports = [pooled([json.loads(Path(p).read_text()) for p in paths[1:]])]
+        paths = ["+".join(paths[1:])]
+    else:
+        reports = [json.loads(Path(p).read_text()) for p in paths]
+    for path, report in zip(paths, reports, strict=True):
         print(f"{path}: {report['model']}, {report['dtype']}, {report['items']} items, "
               f"{report['max_new_tokens']} tokens")
         print("| strategy | agree@16 | accuracy (lost / won) | whole answers, summed | P(differs) / differs |")
