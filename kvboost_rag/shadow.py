@@ -2,15 +2,17 @@
 
 Calibration on the corpus (calibrate.py) sees prompts made of documents with no question; what users ask may sit
 elsewhere on the flip curve. So a share of the guarded requests served (EngineConfig.shadow_share, and
-shadow_share_young while the request's curve was fitted on fewer than YOUNG_TOKENS tokens) is checked once its
-response is complete: a full prefill of its prompt and its answer, teacher-forced, gives the token a full prefill
-chooses at every step of the answer. Each judgment the guard made (repair/guard.py: a cache's margin before a token,
-at that cache's budget, trusted or refused) becomes a sample, flipped when that cache's greedy token differs from
-full's. The samples of each budget (the last MAX_SAMPLES) refit that budget's curve after every check, once there
-are fidelity.MIN_TOKENS of them; the engine uses the new curves at once and saves them beside the store
-(KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server or another process on the
-same Redis starts from them. Only requests the guard may move are checked ("fast" answers are not: they asked for
-no guard).
+shadow_share_young while the request's curve was fitted on fewer than YOUNG_TOKENS tokens) is checked once its response
+is complete, evenly rather than at random: the first guarded request, then one whenever the share of the requests
+offered since is owed (a random draw at 25% can skip 25 requests in a row: with the engine's old seed it did, and no
+check ran in the first 25 requests of every engine). The check: a full prefill of its prompt and its answer, teacher-
+forced, gives the token a full prefill chooses at every step of the answer. Each judgment the guard made
+(repair/guard.py: a cache's margin before a token, at that cache's budget, trusted or refused) becomes a sample, flipped
+when that cache's greedy token differs from full's. The samples of each budget (the last MAX_SAMPLES) refit that
+budget's curve after every check, once there are fidelity.MIN_TOKENS of them; the engine uses the new curves at once and
+saves them beside the store (KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server or
+another process on the same Redis starts from them. Only requests the guard may move are checked ("fast" answers are
+not: they asked for no guard).
 
 Off the critical path: `offer` only queues (a bounded queue: a check offered to a full one is dropped), and one
 background thread runs the checks, layer by layer, each layer only while the engine is idle: no thread holds or
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import random
 import threading
 import time
 import warnings
@@ -58,11 +59,11 @@ class Check:
 class Shadow:
     """One engine's shadow checks: the queue, the thread that runs them, the samples and the figures."""
 
-    def __init__(self, engine, share: float, young_share: float, queue: int, seed: int = 0):
+    def __init__(self, engine, share: float, young_share: float, queue: int):
         self.engine, self.share, self.young_share = engine, share, young_share
         self._queue: collections.deque[Check] = collections.deque()
         self._limit = queue
-        self._draw = random.Random(seed)  # which requests are checked: reproducible per engine
+        self._owed = 1.0  # checks owed so far: the first guarded request is checked, then its share of the rest
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False  # a check is under way
@@ -78,9 +79,13 @@ class Shadow:
     def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
         """Queue `check` with the request's share (its curve's: young ones are checked more); whether it was."""
         share = self.young_share if curve.tokens < YOUNG_TOKENS else self.share
-        if share <= 0 or not check.judged or self._draw.random() >= share:
+        if share <= 0 or not check.judged:
             return False
         with self._changed:
+            owed = self._owed >= 1.0 - 1e-9  # 1e-9: 20 x 0.05 may sum to just below 1
+            self._owed += share - owed
+            if not owed:
+                return False
             if self._closed or len(self._queue) >= self._limit:
                 self.counters["dropped"] += 1
                 return False

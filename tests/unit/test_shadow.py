@@ -217,3 +217,19 @@ def test_an_online_refit_keeps_the_floors_its_level_is_held_to():
     refit = with_curve(predictor, fidelity.Predictor(1.0, -1.5, 40, 12, 0, 0.07))
     assert (refit.intercept, refit.slope, refit.documents) == (1.0, -1.5, 40) and refit.floors == floors
     assert fidelity.target_for("balanced", refit.at(0.07)) == floors[0]
+
+
+def test_the_share_is_checked_evenly_from_the_first_request(make_tiny_engine):
+    """25% of the guarded requests: the first, the fifth, the ninth; not a random draw, which can skip many in a row
+    (the old seeded draw checked none of an engine's first 25)."""
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=0.0, shadow_share_young=0.25), guarded=True)
+    engine.ingest(corpus())
+    engine.predictor = fidelity.Predictor(-30.0, 0.0, budget=BALANCED)  # young
+    checked = []
+    for i, prompt in enumerate(prompts(9)):
+        engine.generate(prompt, max_new_tokens=2, write_back=False)
+        assert engine.shadow.drain(timeout=60)
+        if engine.shadow.figures()["checks"] > len(checked):
+            checked.append(i + 1)
+    assert checked == [1, 5, 9]
+    engine.close()
