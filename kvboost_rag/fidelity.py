@@ -213,27 +213,40 @@ class Guard:
         return True
 
 
-def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, budget: float = 0.0) -> Predictor:
+def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, budget: float = 0.0,
+        prior: Predictor | None = None) -> Predictor:
     """Logistic regression of `flipped` on `margins` (Newton's method with step halving, a small ridge towards the
     DEFAULT curve), for requests repaired at `budget`. The step halving keeps a nearly separable sample (a floor
-    that flips only where margins are small, say) from overshooting into a curve of huge coefficients."""
+    that flips only where margins are small, say) from overshooting into a curve of huge coefficients.
+
+    With `prior` (a curve fitted before, on its `tokens`), that curve counts as much as the tokens it was fitted on:
+    it adds, at the same margins, its own flip chances as soft labels, weighing `prior.tokens` in all, so that a few
+    new samples move a curve fitted on many only part of the way (shadow.py). The result counts both's tokens."""
     if len(margins) < MIN_TOKENS:
         raise ValueError(f"a fidelity predictor needs at least {MIN_TOKENS} calibration tokens, got {len(margins)}")
     x = torch.tensor(list(margins), dtype=torch.float64)
     y = torch.tensor([float(f) for f in flipped], dtype=torch.float64)
+    weight = torch.ones_like(x)
+    tokens, flips = len(margins), int(y.sum())
+    if prior is not None and prior.tokens > 0:
+        soft = torch.tensor([prior.flip_chance(m) for m in margins], dtype=torch.float64)
+        x, y = torch.cat([x, x]), torch.cat([y, soft])
+        weight = torch.cat([weight, torch.full_like(weight, prior.tokens / len(margins))])
+        tokens, flips = tokens + prior.tokens, flips + prior.flips
     design = torch.stack([torch.ones_like(x), x], dim=1)  # [T, 2]
-    prior = torch.tensor(DEFAULT, dtype=torch.float64)
+    centre = torch.tensor(DEFAULT, dtype=torch.float64)
     ridge = 1e-2 * torch.eye(2, dtype=torch.float64)
 
     def loss(w: torch.Tensor) -> float:  # the penalized negative log-likelihood
         z = design @ w
-        return float((torch.nn.functional.softplus(z) - y * z).sum() + 0.5 * (w - prior) @ ridge @ (w - prior))
+        return float((weight * (torch.nn.functional.softplus(z) - y * z)).sum()
+                     + 0.5 * (w - centre) @ ridge @ (w - centre))
 
-    w = prior.clone()
+    w = centre.clone()
     for _ in range(100):
         p = torch.sigmoid(design @ w)
-        grad = design.T @ (p - y) + ridge @ (w - prior)
-        hess = design.T @ (design * (p * (1 - p))[:, None]) + ridge
+        grad = design.T @ (weight * (p - y)) + ridge @ (w - centre)
+        hess = design.T @ (design * (weight * p * (1 - p))[:, None]) + ridge
         step = torch.linalg.solve(hess, grad)
         scale, before = 1.0, loss(w)
         while scale > 1e-6 and loss(w - scale * step) > before:
@@ -241,7 +254,7 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, b
         w = w - scale * step
         if (scale * step).abs().max() < 1e-9:
             break
-    return Predictor(float(w[0]), float(w[1]), len(margins), int(y.sum()), documents, budget)
+    return Predictor(float(w[0]), float(w[1]), tokens, flips, documents, budget)
 
 
 def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:

@@ -9,10 +9,12 @@ check ran in the first 25 requests of every engine). The check: a full prefill o
 forced, gives the token a full prefill chooses at every step of the answer. Each judgment the guard made
 (repair/guard.py: a cache's margin before a token, at that cache's budget, trusted or refused) becomes a sample, flipped
 when that cache's greedy token differs from full's. The samples of each budget (the last MAX_SAMPLES) refit that
-budget's curve after every check, once there are fidelity.MIN_TOKENS of them; the engine uses the new curves at once and
-saves them beside the store (KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server or
-another process on the same Redis starts from them. Only requests the guard may move are checked ("fast" answers are
-not: they asked for no guard).
+budget's curve after every check, once there are fidelity.MIN_TOKENS of them, the curve the engine had before counting
+as much as the tokens it was fitted on (a calibrated curve is moved part of the way by a few checks, not replaced:
+replaced, on a corpus it was calibrated apart from, the curves swung and moved most answers to a full prefill,
+docs/method.md); the engine uses the new curves at once and saves them beside the store (KVBoost.set_predictor: the disk
+tier's folder, the Redis tier), so a restarted server or another process on the same Redis starts from them. Only
+requests the guard may move are checked ("fast" answers are not: they asked for no guard).
 
 Off the critical path: `offer` only queues (a bounded queue: a check offered to a full one is dropped), and one
 background thread runs the checks, layer by layer, each layer only while the engine is idle: no thread holds or
@@ -75,6 +77,9 @@ class Shadow:
         self.predicted_risk = 0.0
         self.predicted_flips = 0.0
         self._saved = fidelity.Observed()  # `observed()` when a refit last handed the engine a curve (see _learn)
+        # Per budget, the curve the engine had before this engine's checks refit it: it counts in every refit as much
+        # as the tokens it was fitted on (fidelity.fit's prior), so that a few checks move it only part of the way.
+        self._priors: dict[float, fidelity.Predictor] = {}
 
     def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
         """Queue `check` with the request's share (its curve's: young ones are checked more); whether it was."""
@@ -188,9 +193,11 @@ class Shadow:
         refitted = False
         for budget in sorted({judged.budget for judged in check.judged}):
             samples = self.samples[budget]
+            prior = self._priors.setdefault(budget, predictor.at(budget))
             if len(samples) >= fidelity.MIN_TOKENS:
                 margins, flipped = zip(*samples, strict=True)
-                predictor = with_curve(predictor, fidelity.fit(margins, flipped, predictor.documents, budget))
+                curve = fidelity.fit(margins, flipped, predictor.documents, budget, prior=prior)
+                predictor = with_curve(predictor, curve)
                 refitted = True
         if refitted:
             # The figures go with the curve: what the engine's curve carried, and this engine's checks since it last

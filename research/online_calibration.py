@@ -65,7 +65,10 @@ def main() -> None:
         full = engine.generate(messages, max_new_tokens=args.tokens, strategy="full", write_back=False)
         rows.append({"id": item.id, "estimate": served.fidelity_estimate,
                      "differs": float(served.token_ids != full.token_ids),
-                     "moved": float(any(s.step == "full" for s in served.served))})
+                     "moved": float(any(s.step == "full" for s in served.served)),
+                     "served": [[s.first_token, s.step, s.budget] for s in served.served],
+                     "first_differing": next((k for k, (a, b) in enumerate(zip(served.token_ids, full.token_ids,
+                                                                                strict=False)) if a != b), None)})
         if (i + 1) % args.window == 0 or i + 1 == len(items):
             figures = engine.shadow.figures()
             first = i + 1 - ((i % args.window) + 1)

@@ -326,3 +326,21 @@ def test_a_nearly_separable_sample_gives_a_steep_curve_not_a_blown_up_one():
     curve = fidelity.fit(margins, flipped)
     assert all(math.isfinite(v) for v in (curve.intercept, curve.slope)) and abs(curve.slope) < 1e3
     assert curve.flip_chance(0.1) > 0.5 > curve.flip_chance(1.0)
+
+
+def test_a_prior_curve_counts_as_much_as_the_tokens_it_was_fitted_on():
+    """A few new samples from another law move a curve fitted on many tokens part of the way, as many move it most of
+    the way; a prior fitted on nothing (the default curve, tokens 0) changes nothing."""
+    before = fidelity.fit(*synthetic_flips(count=400, intercept=-2.0))  # flips rarely
+    few, many = synthetic_flips(count=40, intercept=1.0, seed=3), synthetic_flips(count=4000, intercept=1.0, seed=4)
+    alone = fidelity.fit(*few)
+    moved = fidelity.fit(*few, prior=before)
+    assert moved.tokens == 440 and moved.flips == before.flips + sum(few[1])
+    at = 1.0  # a margin where the two laws differ: sigmoid(-5) against sigmoid(-2)
+    assert before.flip_chance(at) < moved.flip_chance(at) < alone.flip_chance(at)
+    assert abs(moved.flip_chance(at) - before.flip_chance(at)) < abs(alone.flip_chance(at) - moved.flip_chance(at))
+    most = fidelity.fit(*many, prior=before)
+    assert abs(most.flip_chance(at) - fidelity.fit(*many).flip_chance(at)) < 0.2 * abs(
+        most.flip_chance(at) - before.flip_chance(at))
+    unfitted = fidelity.fit(*few, prior=fidelity.DEFAULT_PREDICTOR)
+    assert (unfitted.intercept, unfitted.slope, unfitted.tokens) == (alone.intercept, alone.slope, alone.tokens)

@@ -233,3 +233,22 @@ def test_the_share_is_checked_evenly_from_the_first_request(make_tiny_engine):
             checked.append(i + 1)
     assert checked == [1, 5, 9]
     engine.close()
+
+
+def test_a_curve_calibrated_on_many_tokens_is_moved_part_of_the_way_by_a_few_checks(make_tiny_engine):
+    """The wrong curve of the test above, but as if calibrated on 10,000 tokens: two checks refit it with it as the
+    prior (fidelity.fit), so it still says flips are rare, where replaced it would follow the 32 new samples."""
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0), guarded=True)
+    engine.ingest(corpus())
+    engine.predictor = dataclasses.replace(NEVER_FLIPS, tokens=10_000)
+    checks_needed = math.ceil(fidelity.MIN_TOKENS / TOKENS)
+    for prompt in prompts(checks_needed):
+        engine.generate(prompt, max_new_tokens=TOKENS, write_back=False)
+        assert engine.shadow.drain(timeout=60)
+    figures = engine.shadow.figures()
+    assert figures["refits"] == 1 and figures["observed_flips"] > 0
+    curve = engine.predictor.at(BALANCED)
+    assert curve.tokens == 10_000 + checks_needed * TOKENS and curve.flips == figures["observed_flips"]
+    alone = fidelity.fit(*zip(*engine.shadow.samples[BALANCED], strict=True))
+    assert curve.flip_chance(0.5) < alone.flip_chance(0.5) / 2
+    engine.close()
