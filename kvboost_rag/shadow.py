@@ -78,8 +78,10 @@ class Shadow:
         self.predicted_flips = 0.0
         self._saved = fidelity.Observed()  # `observed()` when a refit last handed the engine a curve (see _learn)
         # Per budget, the curve the engine had before this engine's checks refit it: it counts in every refit as much
-        # as the tokens it was fitted on (fidelity.fit's prior), so that a few checks move it only part of the way.
+        # as the tokens it was fitted on (fidelity.fit's prior), so that a few checks move it only part of the way;
+        # and the curve the last refit handed the engine, so that one the corpus calibration fits since is the prior.
         self._priors: dict[float, fidelity.Predictor] = {}
+        self._handed: dict[float, tuple] = {}
 
     def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
         """Queue `check` with the request's share (its curve's: young ones are checked more); whether it was."""
@@ -193,7 +195,9 @@ class Shadow:
         refitted = False
         for budget in sorted({judged.budget for judged in check.judged}):
             samples = self.samples[budget]
-            prior = self._priors.setdefault(budget, predictor.at(budget))
+            if _fitted(predictor.at(budget)) != self._handed.get(budget):  # not a refit of ours: calibrated since
+                self._priors[budget] = predictor.at(budget)
+            prior = self._priors[budget]
             if len(samples) >= fidelity.MIN_TOKENS:
                 margins, flipped = zip(*samples, strict=True)
                 curve = fidelity.fit(margins, flipped, predictor.documents, budget, prior=prior)
@@ -206,7 +210,13 @@ class Shadow:
             carried = (before.observed or fidelity.Observed()) + (now - self._saved)
             self._saved = now
             engine.set_predictor(dataclasses.replace(predictor, observed=carried))
+            self._handed = {curve.budget: _fitted(curve) for curve in (predictor, *predictor.others)}
             self.counters["refits"] += 1
+
+
+def _fitted(curve: fidelity.Predictor) -> tuple:
+    """What a fit decided about a curve (its figures since are kept with it, and change without a fit)."""
+    return curve.budget, curve.intercept, curve.slope, curve.tokens, curve.flips
 
 
 class _Closed(Exception):

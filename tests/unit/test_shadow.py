@@ -251,4 +251,13 @@ def test_a_curve_calibrated_on_many_tokens_is_moved_part_of_the_way_by_a_few_che
     assert curve.tokens == 10_000 + checks_needed * TOKENS and curve.flips == figures["observed_flips"]
     alone = fidelity.fit(*zip(*engine.shadow.samples[BALANCED], strict=True))
     assert curve.flip_chance(0.5) < alone.flip_chance(0.5) / 2
+    # Refit again: the prior is still the calibrated curve, not the refit one (its samples would count twice).
+    engine.generate(prompts(checks_needed + 1)[-1], max_new_tokens=TOKENS, write_back=False)
+    assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["refits"] == 2
+    assert engine.predictor.at(BALANCED).tokens == 10_000 + (checks_needed + 1) * TOKENS
+    # A curve the corpus calibration fits meanwhile (the corpus doubled, say) is the prior from then on.
+    engine.predictor = dataclasses.replace(NEVER_FLIPS, tokens=20_000)
+    engine.generate(prompts(checks_needed + 2)[-1], max_new_tokens=TOKENS, write_back=False)
+    assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["refits"] == 3
+    assert engine.predictor.at(BALANCED).tokens == 20_000 + (checks_needed + 2) * TOKENS
     engine.close()
