@@ -30,11 +30,13 @@ calibration keep them) plus this engine's checks since its last refit; `kvboost-
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +84,7 @@ class Shadow:
         # and the curve the last refit handed the engine, so that one the corpus calibration fits since is the prior.
         self._priors: dict[float, fidelity.Predictor] = {}
         self._handed: dict[float, tuple] = {}
+        _LIVE.add(self)
 
     def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
         """Queue `check` with the request's share (its curve's: young ones are checked more); whether it was."""
@@ -212,6 +215,17 @@ class Shadow:
             engine.set_predictor(dataclasses.replace(predictor, observed=carried))
             self._handed = {curve.budget: _fitted(curve) for curve in (predictor, *predictor.others)}
             self.counters["refits"] += 1
+
+
+_LIVE: weakref.WeakSet[Shadow] = weakref.WeakSet()  # every engine's, for _close_all
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every engine's checks before the interpreter tears down: a check thread still inside torch then takes
+    the process down with it (seen at the end of a test run that left engines open)."""
+    for shadow in list(_LIVE):
+        shadow.close()
 
 
 def _fitted(curve: fidelity.Predictor) -> tuple:
