@@ -8,7 +8,7 @@ and its questions are served with the defaults as shipped: `balanced`, shadow ch
 (not counted in any check): per window of requests, the mean predicted chance of a differing answer
 (fidelity_estimate) against the share that differ, and the shadow checks and refits so far.
 
-    .venv/bin/python research/online_calibration.py                              # ~15 min, bundled model
+    .venv/bin/python research/online_calibration.py                              # ~19 min, bundled model
     .venv/bin/python research/online_calibration.py --model gemma-3-270m         # Gemma 3 270M
 """
 
@@ -23,9 +23,13 @@ from kvboost_rag.bench.data import bundled, in_orders, load_items
 from kvboost_rag.bench.run import render_prompt
 
 
+def means(rows: list[dict]) -> tuple[float, float]:
+    """The mean predicted chance of a differing answer, and the share that differed."""
+    return tuple(sum(r[k] for r in rows) / len(rows) for k in ("estimate", "differs"))
+
+
 def window_row(rows: list[dict], first: int, checks: int, refits: int) -> str:
-    predicted = sum(r["estimate"] for r in rows) / len(rows)
-    observed = sum(r["differs"] for r in rows) / len(rows)
+    predicted, observed = means(rows)
     ratio = f"{predicted / observed:.2f}" if observed else "-"
     return (f"| {first + 1}-{first + len(rows)} | {predicted:.3f} | {observed:.3f} | {ratio} | {checks} | {refits} "
             f"| {sum(r['moved'] for r in rows) / len(rows):.2f} |")
@@ -71,12 +75,12 @@ def main() -> None:
                                                                                 strict=False)) if a != b), None)})
         if (i + 1) % args.window == 0 or i + 1 == len(items):
             figures = engine.shadow.figures()
-            first = i + 1 - ((i % args.window) + 1)
+            first = i - i % args.window
             print(window_row(rows[first:], first, figures["checks"], figures["refits"]), flush=True)
     for first, last in ((0, 50), (50, len(rows))):  # the issue's rule: within 2x after at most 50 requests
         part = rows[first:last]
         if part:
-            predicted, observed = (sum(r[k] for r in part) / len(part) for k in ("estimate", "differs"))
+            predicted, observed = means(part)
             print(f"requests {first + 1}-{first + len(part)}: mean P(differs) {predicted:.3f}, differs {observed:.3f}")
     print("shadow checks:", json.dumps(engine.shadow.figures()))
     if args.json:
