@@ -198,8 +198,9 @@ class Shadow:
         refitted = False
         for budget in sorted({judged.budget for judged in check.judged}):
             samples = self.samples[budget]
-            if _fitted(predictor.at(budget)) != self._handed.get(budget):  # not a refit of ours: calibrated since
-                self._priors[budget] = predictor.at(budget)
+            current = predictor.at(budget)
+            if _fitted(current) != self._handed.get(budget):  # not a refit of ours: calibrated since
+                self._priors[budget] = current
             prior = self._priors[budget]
             if len(samples) >= fidelity.MIN_TOKENS:
                 margins, flipped = zip(*samples, strict=True)
