@@ -3,21 +3,20 @@
 Run by `KVBoost.ingest` by itself once the engine knows MIN_DOCUMENTS documents, and again whenever the corpus has
 doubled since and grown by REFIT_GROWTH documents, so its cost stays a bounded share of ingestion: per prompt, one
 full prefill (the drift maps' truth) and its greedy answer, then one repaired prefill teacher-forced on it per
-recompute budget the fidelity levels run at (two by default), shown in a progress bar. `KVBoost.calibrate` runs it
-on demand. Both results are saved next to the store's disk tier under the engine's fingerprint, and in its Redis
-tier when it has one (the same safetensors bytes, `kvboost:{fingerprint[:16]}:calibration:drift` and `:fidelity`),
-so that a restarted server or another process on the same Redis starts calibrated. An engine takes them up when it
-starts (the file first, else Redis), and `due` looks again before fitting: another process may have calibrated
-this corpus meanwhile. A copy from another model, dtype, tokenizer or encoding, of an older format or damaged is
-refused, warned about and fitted again (drift.from_bytes, fidelity.from_bytes); an unreachable Redis is a
-StoreUnavailableWarning and no calibration from it.
+recompute budget a guarded request may be served at (three by default: the levels' and the ladder's ceiling), shown
+in a progress bar. `KVBoost.calibrate` runs it on demand. Both results are saved next to the store's disk tier under
+the engine's fingerprint, and in its Redis tier when it has one (the same safetensors bytes,
+`kvboost:{fingerprint[:16]}:calibration:drift` and `:fidelity`), so that a restarted server or another process on the
+same Redis starts calibrated. An engine takes them up when it starts (the file first, else Redis), and `due` looks
+again before fitting: another process may have calibrated this corpus meanwhile. A copy from another model, dtype,
+tokenizer or encoding, of an older format or damaged is refused, warned about and fitted again (drift.from_bytes,
+fidelity.from_bytes); an unreachable Redis is a StoreUnavailableWarning and no calibration from it.
 
 Drives the engine through its public methods; the engine imports this module, not the other way round.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import random
 import re
@@ -28,10 +27,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import drift, fidelity
+from . import drift, fidelity, models
 from .assembly import APPROX
 from .generation import SamplingParams
 from .prompts import layout as named_layout
+from .repair.guard import escalations
 from .store.files import make_dir, write_atomic
 from .store.tiered import redis_tier
 
@@ -210,10 +210,13 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
                          "ingest more of the corpus first")
     drawn = calibration_set(engine, pool, prompts or PROMPTS, per_prompt, seed, layout)
     laid_out = [c.prompt for c in drawn]
-    # Pass 2 runs once per recompute budget the levels run at (balanced's first: the engine's own), a curve each.
+    # Pass 2 runs once per recompute budget a guarded request may be served at (balanced's first: the engine's
+    # own), a curve each: the levels' budgets and the ladder's escalations above them (EngineConfig.escalate_to),
+    # so that an escalation is judged by a curve of its own budget, not by a smaller budget's cautious one.
     repair = engine.config.repair
-    budgets = list(dict.fromkeys([repair.budget] + sorted(dataclasses.replace(repair, fidelity=level).budget
-                                                          for level in fidelity.LEVELS)))
+    levels = [dataclasses.replace(repair, fidelity=level) for level in fidelity.LEVELS]
+    reached = {b for settings in levels for b in (settings.budget, *escalations(settings, engine.config.escalate_to))}
+    budgets = list(dict.fromkeys([repair.budget] + sorted(reached)))
     bar = tqdm(total=(2 + len(budgets)) * len(laid_out), desc="calibrating", unit="prompt",
                disable=not progress if progress is not None else None)
     with engine.lock:
@@ -255,7 +258,9 @@ def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], answers: Sequence[l
     """The floors' flips at every step of every full answer, in _flips's order: whether a full prefill of the
     documents reversed (the order floor), and one of the model in the other dtype (the dtype floor), choose
     another token there (teacher-forced, so every step is judged after the same tokens)."""
-    other = _other_dtype(engine.adapter.model)
+    # A float32 engine's bf16 model is the one its ladder's HALF step serves from (repair/guard.py), where it has one.
+    half = engine.half_adapter() if engine.adapter.dtype == torch.float32 else None
+    other = half.model if half is not None else _other_dtype(engine.adapter.model)
     order, dtype = [], []
     for item, answer in zip(drawn, answers, strict=True):
         if answer:
@@ -269,7 +274,7 @@ def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], answers: Sequence[l
 def _other_dtype(model):
     """The model in the dtype users compare ours with: bf16 for a float32 engine, float32 for the others."""
     target = torch.bfloat16 if next(model.parameters()).dtype == torch.float32 else torch.float32
-    return copy.deepcopy(model).to(target)
+    return models.in_dtype(model, target)
 
 
 @torch.inference_mode()

@@ -61,7 +61,8 @@ class Prefill:
     ttft_ms: float  # from the call to these logits, everything included
     # The fidelity guard (fidelity.py): what the request is held to (a risk per answer, or its level's floor
     # curve; None: the cache is exact, nothing to guard; inf: "fast", measured but never acted on), the risk its
-    # first token took, and whether the prefill fell back to a full one because that first token was not trusted.
+    # first token took, and whether the prefill fell back to a full one (in float32 or, guard.HALF, bf16) because
+    # that first token was not trusted.
     target: float | fidelity.Predictor | None = None
     risk: float = 0.0
     fell_back: bool = False
@@ -179,6 +180,7 @@ class KVBoost:
         self.shadow = shadow.Shadow(self, config.shadow_share, config.shadow_share_young, config.shadow_queue)
         # Which steps of the guard's ladder pay for themselves on this machine (repair/routes.py).
         self.routes = routes.Routes(enabled=config.ladder_costs)
+        self._half: ModelAdapter | bool | None = None  # the model in bf16 (half_adapter); False: there is none
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype: str = "float32",
@@ -235,6 +237,12 @@ class KVBoost:
         if texts is not None:
             self.ingest(list(texts), progress=False, calibrate=False)
         return calibration.calibrate(self, texts, **options)
+
+    def half_adapter(self) -> ModelAdapter | None:
+        """The model in bf16, for the guard's HALF step and the dtype floor (repair/guard.py); made when first asked."""
+        if self._half is None:
+            self._half = (self.config.bf16_step and guard.half_adapter(self.adapter)) or False
+        return self._half or None
 
     def set_drift(self, maps: drift.DriftMaps) -> None:
         """Use these drift maps from now on, and save them beside the store (disk tier's folder, Redis tier)."""
@@ -365,29 +373,25 @@ class KVBoost:
                              "fewer documents")
         with self.lock:
             maps = self.drift if chosen.maps_drift and settings.drift else None
-            builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock, self.routes)
+            builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock, self.routes,
+                                    self.half_adapter)
             policy = guard.policy(chosen, settings, p, self.predictor, self.config.store.kv_bits,
                                   self.config.escalate_to)
             built, watch, served = guard.start(builder, policy)
             ttft_ms = _elapsed_ms(started, built.logits)
             if write_back and (chosen.reuse_exact or chosen.reuse_content):
                 self._write_back(p, built.cache)
-        fell_back = served[0].step == guard.FULL
+        fell_back = served[0].step in (guard.HALF, guard.FULL)  # a full prefill, in either dtype
         return Prefill(p, built.cache, built.logits, built.recomputed_tokens, strategy, started, ttft_ms,
                        None if policy is None else policy.target, 0.0 if watch is None else watch.risk, fell_back,
                        None if policy is None else policy.curve(policy.budget), served[-1].budget, served, policy,
                        builder, () if watch is None else tuple(watch.judged))
 
     @torch.inference_mode()
-    def _exact_cache(self, token_ids: torch.Tensor, capacity: int) -> tuple[KVBuffers, torch.Tensor]:
-        """A full prefill of `token_ids` [N] into a new cache: (the cache, the next-token logits [V])."""
-        return guard.exact_cache(self.adapter, self.lock, token_ids, capacity)
-
-    @torch.inference_mode()
     def reference_prefill(self, p: Plan, *, max_new_tokens: int = 0) -> Prefill:
         """A full prefill of exactly `p`'s tokens, nothing reused: the truth to compare a strategy with."""
         started, n = time.perf_counter(), p.num_tokens
-        cache, logits = self._exact_cache(p.token_ids, n + max_new_tokens)
+        cache, logits = guard.exact_cache(self.adapter, self.lock, p.token_ids, n + max_new_tokens)
         return Prefill(p, cache, logits, n, "full", started, _elapsed_ms(started, logits))
 
     def fit_drift(self, texts: Sequence[str] | None = None, *, prompts: int = 24, per_prompt: int = 8,
@@ -470,6 +474,8 @@ class KVBoost:
                     if watch is not None and not watch.trusts(logits):
                         built = watch.climb(text.token_ids)
                         cache, logits = built.cache, built.logits
+        if watch is not None:
+            watch.finish()
         served = pre.served if watch is None else tuple(watch.served)
         risk = pre.risk if watch is None else watch.risk
         tail = text.flush()

@@ -9,6 +9,7 @@ SmolLM2, 6-10 s for Gemma (most of it its tokenizer).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -111,6 +112,19 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         raise ConfigError("device", f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s), "
                                     f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return torch.device("cuda", index)
+
+
+def in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `model` in `dtype`, as `from_pretrained(dtype=...)` would load it: the rotary embeddings' inverse
+    frequencies stay float32. A plain `.to(dtype)` rounds them too, and at position ~1k the rounded angles move
+    the keys far enough that a bf16 copy agreed with float32 on 7 of 10 answers where one loaded in bf16 agreed
+    on 10 (fidelity_holdout, 16 tokens)."""
+    copied = copy.deepcopy(model).to(dtype)
+    for name, module in model.named_modules():
+        if "rotary" in type(module).__name__.lower():
+            for buffer, value in module.named_buffers(recurse=False):
+                setattr(copied.get_submodule(name), buffer, value.clone())
+    return copied
 
 
 def to_device(model: torch.nn.Module, device: str) -> torch.nn.Module:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fidelity
-from .repair.guard import Judged
+from .repair.guard import HALF, Judged
 
 YOUNG_TOKENS = 512  # a curve fitted on fewer tokens is checked more: four corpus calibrations' worth (8 x 16 each)
 MAX_SAMPLES = 4096  # samples kept per budget: the newest, so the curve follows what is asked now
@@ -191,12 +191,15 @@ class Shadow:
                              flips=sum(flip for _, flip in served), answers_differ=any(flip for _, flip in served))
         self.predicted_risk += check.risk
         self.predicted_flips += sum(judged.chance for judged, _ in served)
-        for judged, flip in zip(check.judged, flips, strict=True):
+        # A bf16 prefill's judgments (guard.HALF) are counted above and refit no curve: it is judged by the dtype
+        # floor's, which a check against float32 measures too, but only corpus calibration fits floors.
+        repaired = [(judged, flip) for judged, flip in zip(check.judged, flips, strict=True) if judged.step != HALF]
+        for judged, flip in repaired:
             self.samples.setdefault(judged.budget, collections.deque(maxlen=MAX_SAMPLES)).append((judged.margin, flip))
         engine = self.engine
         predictor = before = engine.predictor or fidelity.DEFAULT_PREDICTOR
         refitted = False
-        for budget in sorted({judged.budget for judged in check.judged}):
+        for budget in sorted({judged.budget for judged, _ in repaired}):
             samples = self.samples[budget]
             current = predictor.at(budget)
             if _fitted(current) != self._handed.get(budget):  # not a refit of ours: calibrated since

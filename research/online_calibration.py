@@ -10,11 +10,17 @@ and its questions are served with the defaults as shipped: `balanced`, shadow ch
 
     .venv/bin/python research/online_calibration.py                              # ~19 min, bundled model
     .venv/bin/python research/online_calibration.py --model gemma-3-270m         # Gemma 3 270M
+    .venv/bin/python research/online_calibration.py --wrong-by -3 --requests 60  # a curve made wrong on purpose
+
+`--wrong-by N` shifts every calibrated curve's intercept by N nats before serving (its floors and token counts kept,
+so the checks weigh it as they weigh a calibrated one): -3 predicts ~20x fewer flips at small chances, the case of a
+curve fitted where the reused cache is far better than where it serves.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,6 +52,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--wrong-by", type=float, default=0.0, help="nats added to every curve's intercept")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -53,6 +60,11 @@ def main() -> None:
     calibration = load_items(args.calibration)
     engine.ingest(list(dict.fromkeys(d for item in calibration for d in item.documents)), progress=False)
     offline = engine.predictor
+    if args.wrong_by:
+        def shifted(curve):
+            return dataclasses.replace(curve, intercept=curve.intercept + args.wrong_by, others=())
+        offline = shifted(offline).with_others([shifted(c) for c in offline.others])
+        engine.set_predictor(offline)
     print(f"calibrated offline on {len(engine.documents)} documents of {args.calibration}: {offline.tokens} tokens, "
           f"{offline.flips} flips at budget {offline.budget}", flush=True)
     items = in_orders(load_items(args.data), args.orders)[:args.requests]

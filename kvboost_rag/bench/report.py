@@ -22,6 +22,7 @@ COLUMNS = [  # (key, header, format)
     ("differs", "differs", "{:.3f}"),
     ("fell_back", "fell back", "{:.2f}"),
     ("escalated", "escalated", "{:.2f}"),
+    ("halved", "bf16 prefill", "{:.2f}"),
     ("switched", "switched", "{:.2f}"),
 ]
 

@@ -178,6 +178,8 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
             "switched": float(sample.result.exact_from is not None and not sample.result.fell_back),
             # the ladder (repair/guard.py): some tokens served by a larger repair before any full prefill
             "escalated": float(any(s.step == "escalate" for s in sample.result.served)),
+            # ... or by a full prefill in bf16 (the dtype floor's cache) before any in float32
+            "halved": float(any(s.step == "half" for s in sample.result.served)),
             # the whole answer differs from full's: what fidelity_estimate predicts
             "differs": float(sample.token_ids != full.token_ids),
             # a guarded strategy's answer: its fidelity_estimate is the guard's (others' are 0: nothing predicted)
@@ -206,7 +208,7 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
         }
         for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "recompute_fraction",
                     "reuse_fraction", "document_reuse", "prompt_tokens", "fidelity_estimate", "fell_back",
-                    "switched", "escalated", "differs"):
+                    "switched", "escalated", "halved", "differs"):
             values = [r[key] for r in rows if key in r]
             entry[key] = statistics.fmean(values) if values else None
         # The guard's estimates against what happened, as the shadow checks report them (fidelity.Observed).

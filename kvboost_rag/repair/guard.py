@@ -16,7 +16,13 @@ trusts each token. Before a token it does not trust, the request climbs:
      run after the prompt, teacher-forced: they were decoded from the smaller repair, so their K/V must be made
      again against the new cache to be that cache's. The token is judged again, by the curve fitted at the larger
      budget (Predictor.at); the first budget that trusts it serves from there on.
-  2. FULL: a full prefill of the prompt and the answer so far, nothing reused: from there the answer continues
+  2. HALF: where the engine runs in float32 and bf16 runs natively (EngineConfig.bf16_step), a full prefill of the
+     prompt and the answer so far in bf16, nothing reused, its K/V kept in float32 to decode from: the cache the
+     dtype floor is made of, ~1.6x faster than a float32 one on a CPU with bf16 instructions. It is judged by the
+     dtype floor's curve (fitted with the request's own curve, fidelity.py), so a `strict` answer, held to that
+     very floor, is trusted there unless the tokens before it took their share; a `balanced` one, held to the
+     order floor, all the more. Uncalibrated (no floors), there is no HALF step.
+  3. FULL: a full prefill of the prompt and the answer so far, nothing reused: from there the answer continues
      exactly as a full prefill's would, unguarded.
 
 Why assembled again rather than repaired further in place: cacheblend ranks tokens by their deviation from the K/V
@@ -37,13 +43,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
-from .. import fidelity
+from .. import fidelity, models
 from ..adapter import ModelAdapter
 from ..assembly import APPROX, EXACT, Plan, assemble
 from ..config import LEVEL_BUDGETS, RepairConfig
@@ -55,6 +61,7 @@ from .routes import Routes
 # The steps of the ladder, as `Served.step` names them.
 REPAIR = "repair"  # the request's strategy at its own budget (an unguarded strategy's prefill, too)
 ESCALATE = "escalate"  # the same plan repaired again at a larger budget
+HALF = "half"  # a full prefill of the prompt and the answer so far in bf16, decoded on in float32
 FULL = "full"  # a full prefill of the prompt and the answer so far
 
 
@@ -63,8 +70,8 @@ class Served:
     """One step of a request's ladder that served tokens: answer tokens first_token .. (the next step's) - 1."""
 
     first_token: int  # index into the answer of the first token it served
-    step: str  # REPAIR, ESCALATE or FULL
-    budget: float | None  # the recompute budget its cache was repaired at; 1.0 for FULL; None: unguarded strategy
+    step: str  # REPAIR, ESCALATE, HALF or FULL
+    budget: float | None  # the recompute budget its cache was repaired at; 1.0 for HALF and FULL; None: unguarded
     recomputed_tokens: int  # prompt tokens its prefill ran through every layer (cacheblend: averaged per layer)
 
 
@@ -79,6 +86,7 @@ class Judged:
     chance: float  # the flip chance the curve gave it
     top: int  # its greedy token
     served: bool  # trusted: the token came from this cache
+    step: str = REPAIR  # the ladder step that made the cache (HALF's judgments refit no curve, shadow.py)
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class Builder:
     capacity: int  # prompt and every token the request may generate
     lock: AbstractContextManager  # the engine's: one forward at a time
     routes: Routes | None = None  # where each build's time is recorded (None: nowhere)
+    half: Callable[[], ModelAdapter | None] = lambda: None  # the model in bf16 for HALF (made when first asked)
 
     @torch.inference_mode()
     def repaired(self, budget: float | None = None, answer: Sequence[int] = ()) -> Built:
@@ -114,7 +123,8 @@ class Builder:
             done = self.strategy.prefill(Request(self.adapter, self.plan, cache, settings))
             hidden = done.hidden if not answer else self._append(cache, answer)  # [1, 1, H]
             built = Built(cache, self.adapter.logits(hidden)[-1], done.recomputed_tokens)
-            self._timed(settings.budget, started, built.logits, len(answer))
+            name = self.strategy.name if self.strategy.reuse_exact or self.strategy.reuse_content else FULL
+            self._timed(name, 1.0 if name == FULL else settings.budget, started, built.logits, len(answer))
             return built
 
     @torch.inference_mode()
@@ -124,18 +134,30 @@ class Builder:
         with self.lock:
             started = time.perf_counter()
             cache, logits = exact_cache(self.adapter, self.lock, token_ids, self.capacity)
-            self._timed(1.0, started, logits, len(answer))
+            self._timed(FULL, 1.0, started, logits, len(answer))
         return Built(cache, logits, self.plan.num_tokens)
 
-    def _timed(self, budget: float, started: float, logits: torch.Tensor, answer_tokens: int) -> None:
+    @torch.inference_mode()
+    def halved(self, answer: Sequence[int] = ()) -> Built:
+        """A full prefill of the prompt and `answer` in bf16 (the HALF step; `half()` must not be None), its K/V
+        copied into a float32 cache to decode from."""
+        half = self.half()
+        token_ids = torch.cat([self.plan.token_ids, torch.tensor(list(answer), dtype=torch.long)])  # [N + T]
+        n = token_ids.shape[0]
+        with self.lock:
+            started = time.perf_counter()
+            low, logits = exact_cache(half, self.lock, token_ids, n)
+            cache = self.adapter.new_buffers(self.capacity)
+            cache.all_keys[:, :, :, :n], cache.all_values[:, :, :, :n] = low.all_keys, low.all_values
+            self._timed(HALF, 1.0, started, logits, len(answer))
+        return Built(cache, logits, self.plan.num_tokens)
+
+    def _timed(self, name: str, budget: float, started: float, logits: torch.Tensor, answer_tokens: int) -> None:
         if self.routes is None:
             return
         if logits.is_cuda:  # kernels run asynchronously there: the time is the work's once it is done
             torch.cuda.synchronize(logits.device)
-        if not (self.strategy.reuse_exact or self.strategy.reuse_content):  # the `full` strategy: a full prefill
-            budget = 1.0
-        self.routes.timed(self.strategy.name, budget, time.perf_counter() - started,
-                          self.plan.num_tokens + answer_tokens)
+        self.routes.timed(name, budget, time.perf_counter() - started, self.plan.num_tokens + answer_tokens)
 
     def _append(self, cache: KVBuffers, answer: Sequence[int]) -> torch.Tensor:
         """Run `answer` [T] through every layer after the prompt, writing its K/V: the last one's output [1, 1, H]."""
@@ -156,6 +178,15 @@ def exact_cache(adapter: ModelAdapter, lock: AbstractContextManager, token_ids: 
         return cache, adapter.logits(hidden[:, -1:])[-1]
 
 
+def half_adapter(adapter: ModelAdapter) -> ModelAdapter | None:
+    """The model in bf16, for the HALF step: None unless the engine runs in float32 and bf16 runs natively where it
+    runs (models.native_matmuls): emulated bf16 is several times slower than float32, and from bf16 or float16 the
+    other dtype is the slower one."""
+    if adapter.dtype != torch.float32 or not models.native_matmuls(torch.bfloat16, adapter.device):
+        return None
+    return ModelAdapter(models.in_dtype(adapter.model, torch.bfloat16))
+
+
 @dataclass(frozen=True)
 class Policy:
     """What a guarded request is held to, fixed at its prefill."""
@@ -167,6 +198,18 @@ class Policy:
 
     def curve(self, budget: float) -> fidelity.Predictor:
         return self.predictor.at(budget)
+
+    @property
+    def half_curve(self) -> fidelity.Predictor | None:
+        """What a HALF cache is judged by: the dtype floor's curve at the request's budget (None: uncalibrated)."""
+        floors = self.curve(self.budget).floors
+        return None if floors is None else floors[1]
+
+    def judged_by(self, step: str, budget: float) -> tuple[fidelity.Predictor, float | fidelity.Predictor]:
+        """The curve a cache of `step` at `budget` is judged by, and the target it is held to."""
+        if step == HALF:
+            return self.half_curve, self.target
+        return self.curve(budget), self.target_at(budget)
 
     def target_at(self, budget: float) -> float | fidelity.Predictor:
         """What a cache repaired at `budget` is held to: its level's floor curve at that budget where calibrated,
@@ -217,11 +260,11 @@ class Watch:
     def __init__(self, policy: Policy, builder: Builder, served: Sequence[Served], risk: float = 0.0,
                  judged: Sequence[Judged] = ()):
         self.policy, self.builder, self.served, self.judged = policy, builder, list(served), list(judged)
-        budget = self.served[-1].budget
-        self._guard = fidelity.Guard(policy.curve(budget), policy.target_at(budget), policy.minimum)
+        last = self.served[-1]
+        self._guard = fidelity.Guard(*policy.judged_by(last.step, last.budget), policy.minimum)
         self._guard.survive = 1.0 - risk
         for j in self.judged:  # the floor's risk over the tokens served so far, as the prefill's guard ran it
-            floor = policy.target_at(j.budget)
+            floor = policy.judged_by(j.step, j.budget)[1]
             if j.served and isinstance(floor, fidelity.Predictor):
                 self._guard.floor_survive *= 1.0 - floor.flip_chance(j.margin)
         self._next = sum(j.served for j in self.judged)  # the answer token judged next: one per trusted judgment
@@ -239,31 +282,47 @@ class Watch:
     def trusts(self, logits: torch.Tensor) -> bool:
         """Whether the next token may come from the cache whose next-token logits [V] these are (its risk is then
         counted in)."""
-        return self.exact or self._judge(logits, self.served[-1].budget)
+        return self.exact or self._judge(logits, self.served[-1].budget, self.served[-1].step)
 
-    def step(self, budget: float) -> tuple[str, str, float]:
-        """The ladder step of a cache repaired at `budget`, as repair/routes.py keeps its record."""
-        return self.builder.strategy.name, str(self.policy.fidelity), budget
+    def step(self, budget: float, step: str = REPAIR) -> tuple[str, str, float]:
+        """The ladder step `step` of a cache repaired at `budget`, as repair/routes.py keeps its record: a repair's
+        under its strategy's name, HALF's under its own."""
+        return HALF if step == HALF else self.builder.strategy.name, str(self.policy.fidelity), budget
 
-    def worth(self, budget: float) -> bool:
+    def worth(self, budget: float, step: str = REPAIR) -> bool:
         """Whether building the cache at `budget` pays where the engine runs (routes.py); always, without routes."""
         routes = self.builder.routes
-        return routes is None or routes.worth(self.step(budget))
+        return routes is None or routes.worth(self.step(budget, step))
 
-    def first_judged(self, logits: torch.Tensor, budget: float) -> bool:
-        """Judge a new cache's first token, and record the judgment with the step that made it."""
-        trusted = self._judge(logits, budget)
-        if self.builder.routes is not None:
-            self.builder.routes.judged(self.step(budget), trusted)
+    def first_judged(self, logits: torch.Tensor, budget: float, step: str = REPAIR) -> bool:
+        """Judge a new cache's first token; refused, the step that made it failed (routes.py). Trusted, it is
+        judged by the answer's end: whether the cache served it there (`finish`) or was left part-way (`climb`)."""
+        trusted = self._judge(logits, budget, step)
+        if not trusted and self.builder.routes is not None:
+            self.builder.routes.judged(self.step(budget, step), False)
         return trusted
 
-    def _judge(self, logits: torch.Tensor, budget: float) -> bool:
+    def finish(self) -> None:
+        """The answer is complete: the cache serving it held to the end."""
+        self._outcome(True)
+
+    def _outcome(self, held: bool) -> None:
+        last = self.served[-1]
+        if last.step != FULL and self.builder.routes is not None:
+            self.builder.routes.judged(self.step(last.budget, last.step), held)
+
+    def _judge(self, logits: torch.Tensor, budget: float, step: str) -> bool:
         margin = fidelity.margin(logits)
         trusted = self._guard.admits(margin)
         self.judged.append(Judged(self._next, budget, margin, self._guard.predictor.flip_chance(margin),
-                                  int(logits.argmax()), trusted))
+                                  int(logits.argmax()), trusted, step))
         self._next += trusted
         return trusted
+
+    def _half_tried(self) -> bool:
+        """Whether HALF is a step still to try: calibrated floors, a bf16 model, not tried already, and paying."""
+        return (self.policy.half_curve is not None and all(s.step != HALF for s in self.served)
+                and self.worth(1.0, HALF) and self.builder.half() is not None)
 
     def climb(self, answer: Sequence[int]) -> Built:
         """The cache to serve answer token len(answer) from, the one it has refused: the next escalation whose
@@ -271,12 +330,20 @@ class Watch:
         first = len(answer)
         if self.served[-1].first_token == first:  # refused before serving anything (a first token): not a step
             self.served.pop()
+        else:  # left part-way: the step's cache did not serve the whole answer
+            self._outcome(False)
         below = self.served[-1].budget if self.served else self.policy.budget
         for budget in (b for b in self.policy.escalations if b > below and self.worth(b)):
             built = self.builder.repaired(budget, answer)
-            self._guard.predictor, self._guard.target = self.policy.curve(budget), self.policy.target_at(budget)
-            if self.first_judged(built.logits, budget):
+            self._guard.predictor, self._guard.target = self.policy.judged_by(ESCALATE, budget)
+            if self.first_judged(built.logits, budget, ESCALATE):
                 self.served.append(Served(first, ESCALATE, budget, built.recomputed_tokens))
+                return built
+        if self._half_tried():
+            built = self.builder.halved(answer)
+            self._guard.predictor, self._guard.target = self.policy.judged_by(HALF, 1.0)
+            if self.first_judged(built.logits, 1.0, HALF):
+                self.served.append(Served(first, HALF, 1.0, built.recomputed_tokens))
                 return built
         built = self.builder.exact(answer)
         self.served.append(Served(first, FULL, 1.0, built.recomputed_tokens))

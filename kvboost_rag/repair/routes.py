@@ -1,16 +1,19 @@
 """Which steps of the guard's ladder pay for themselves: each step's measured cost against a full prefill's, and how
-often the guard trusted the cache it made.
+often the cache it made served the whole answer.
 
-A step of the ladder (repair/guard.py: the request's own repair, each escalation) costs its prefill whether or not
-the guard then trusts its cache; refused, the request pays for the next step too, at worst a full prefill. Trying a
-step of cost c (a share of a full prefill's) whose cache is trusted with chance s costs c + (1 - s) against going
-straight to a full prefill's 1: it pays when s > c. (The steps between are left out of that sum: they only make
-the bound looser, and the steps are few.) Both are measured while serving: c as the median seconds per token of
-the step's last builds against full's, s as the share of the step's last judgments the guard trusted, per strategy,
-level and budget, since a strict level refuses what a balanced one trusts. A step that does not pay is skipped,
-and its request goes on up the ladder. So `strict` on a model whose repairs it never trusts costs a full prefill,
-not two refused repairs and then one, and a device on which a repair is slower than a full prefill (the H200 of
-docs/gpu_h200/) stops repairing.
+A step of the ladder (repair/guard.py: the request's own repair, each escalation, the bf16 prefill) costs its
+prefill whether or not its cache then serves the answer; refused at its first token or left part-way, the request
+pays for the next step too, at worst a full prefill. Trying a step of cost c (a share of a full prefill's) whose
+cache serves the whole answer with chance s costs c + (1 - s) against going straight to a full prefill's 1: it pays
+when s > c. (The steps between are left out of that sum: they only make the bound looser, and the steps are few.)
+Both are measured while serving: c as the median seconds per token of the step's last builds against full's, s as
+the share of the step's last caches that served their answer to its end (a first token refused, or a cache left
+for another part-way, is a failure), per strategy, level and budget, since a strict level refuses what a balanced
+one trusts. Judged by whole answers, not first tokens: a cache trusted at its first token and left at its tenth has
+paid for another prefill too, and a request's total time is what a skipped step saves. A step that does not pay is
+skipped, and its request goes on up the ladder. So `strict` on a model whose repairs it never trusts to the end
+costs a bf16 prefill (or a full one), not refused repairs and then one, and a device on which a repair is slower
+than a full prefill (the H200 of docs/gpu_h200/) stops repairing.
 
 Skipping only ever serves a request from a cache nearer to a full prefill's: it moves cost, never fidelity.
 Until a step has been judged MIN_OUTCOMES times and both costs timed MIN_TIMINGS times it is tried; a skipped
@@ -46,13 +49,15 @@ class Routes:
     counters: collections.Counter[str] = field(default_factory=collections.Counter)  # tried, skipped, explored
 
     def timed(self, strategy: str, budget: float, seconds: float, tokens: int) -> None:
-        """A cache of `strategy` built at `budget` (FULL: a full prefill) over `tokens` tokens took `seconds`."""
-        key = ("full", FULL) if budget >= FULL else (strategy, budget)
+        """A cache of `strategy` built at `budget` over `tokens` tokens took `seconds`: ("full", FULL) is a full
+        prefill, the measure of the others; ("half", FULL) one in bf16 (repair/guard.py's HALF)."""
         with self._lock:
-            self._seconds_per_token.setdefault(key, collections.deque(maxlen=TIMINGS)).append(seconds / max(tokens, 1))
+            self._seconds_per_token.setdefault((strategy, budget), collections.deque(maxlen=TIMINGS)).append(
+                seconds / max(tokens, 1))
 
     def judged(self, step: Step, trusted: bool) -> None:
-        """The guard judged the first token of a cache `step` made: trusted or not."""
+        """A cache `step` made served its answer to the end (trusted), or not: refused at its first token or left
+        part-way."""
         with self._lock:
             self._trusted.setdefault(step, collections.deque(maxlen=WINDOW)).append(trusted)
 

@@ -12,6 +12,7 @@ import torch
 from kvboost_rag import drift, fidelity
 from kvboost_rag.calibrate import MIN_DOCUMENTS
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
+from kvboost_rag.repair import guard
 
 TOWNS = ["Brekkvik", "Osterlund", "Dovrino", "Sarrento", "Lenwick", "Halmstad", "Varde", "Korsby", "Tindra",
          "Ellstrom"]
@@ -131,7 +132,11 @@ def test_calibration_fits_a_curve_per_level_budget_and_strict_requests_use_their
     predictor = calibrated.predictor
     budgets = {level: RepairConfig(fidelity=level).budget for level in fidelity.LEVELS}
     assert predictor.budget == budgets["balanced"]  # the engine's own level first
-    assert sorted(c.budget for c in (predictor, *predictor.others)) == sorted(set(budgets.values()))
+    # The levels' budgets and the ladder's ceiling above them: an escalation is judged by its own budget's curve.
+    ceiling = calibrated.config.escalate_to
+    assert ceiling > max(budgets.values())
+    assert sorted(c.budget for c in (predictor, *predictor.others)) == sorted({*budgets.values(), ceiling})
+    assert predictor.at(ceiling).budget == ceiling
     assert all(c.tokens >= fidelity.MIN_TOKENS for c in (predictor, *predictor.others))
     prompt = prompt_of(corpus()[::-1])
     for level in ("balanced", "strict"):
@@ -184,7 +189,7 @@ def test_an_unsure_token_later_in_the_answer_moves_it_to_an_exact_cache(calibrat
     assert guarded.token_ids[:k] == fast.token_ids[:k]
     # From token k on: what a full prefill of the prompt and the first k tokens decodes.
     ids = torch.cat([first.plan.token_ids, torch.tensor(guarded.token_ids[:k])])
-    cache, logits = engine._exact_cache(ids, ids.numel() + 12)
+    cache, logits = guard.exact_cache(engine.adapter, engine.lock, ids, ids.numel() + 12)
     assert int(logits.argmax()) == guarded.token_ids[k]
 
 

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from kvboost_rag import fidelity
+from kvboost_rag import fidelity, models
 from kvboost_rag.assembly import APPROX
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig
 from kvboost_rag.repair import guard, routes
-from kvboost_rag.repair.guard import ESCALATE, FULL, REPAIR, Served
+from kvboost_rag.repair.guard import ESCALATE, FULL, HALF, REPAIR, Served
 
 
 def corpus() -> list[str]:
@@ -140,7 +140,8 @@ def test_a_later_token_no_budget_trusts_moves_to_a_full_prefill(engine, prompt):
     # From token 2 on: exactly what full prefills of the prompt and the answer so far choose.
     ids = engine.plan(prompt, "full").token_ids
     for k in range(2, out.generated_tokens):
-        _, logits = engine._exact_cache(torch.cat([ids, torch.tensor(out.token_ids[:k])]), ids.numel() + TOKENS)
+        so_far = torch.cat([ids, torch.tensor(out.token_ids[:k])])
+        _, logits = guard.exact_cache(engine.adapter, engine.lock, so_far, ids.numel() + TOKENS)
         assert int(logits.argmax()) == out.token_ids[k]
 
 
@@ -165,6 +166,94 @@ def test_a_step_the_guard_never_trusts_is_skipped_once_it_is_measured_not_to_pay
         assert out.token_ids == full.token_ids and out.served == (Served(0, FULL, 1.0, out.prompt_tokens),)
         assert len(built) == tried + (steps if i == routes.EXPLORE_EVERY else 0)  # only the exploring one repairs
     assert engine.routes.counters["skipped"] == steps * (routes.EXPLORE_EVERY - 1)
+
+
+native_bf16 = pytest.mark.skipif(not models.native_matmuls(torch.bfloat16, torch.device("cpu")),
+                                 reason="this CPU emulates bf16: the ladder has no HALF step here")
+
+
+def floored(curve: fidelity.Predictor, order: float, dtype: float) -> fidelity.Predictor:
+    """`curve` with floors: the order floor's and the dtype floor's flip chances, constant too."""
+    return dataclasses.replace(curve, floors=(constant(order, curve.budget), constant(dtype, curve.budget)))
+
+
+@native_bf16
+def test_a_first_token_no_repair_is_trusted_with_is_served_by_a_bf16_full_prefill(engine, prompt):
+    """HALF: where no repair is trusted, a full prefill in bf16 (the dtype floor's cache) before one in float32,
+    judged by the dtype floor's curve; its K/V decoded on in float32."""
+    engine.predictor = floored(constant(ALWAYS, BALANCED), order=0.5, dtype=NEVER)  # every repair refused
+    pre = engine.prefill(prompt, max_new_tokens=TOKENS, write_back=False)
+    n = pre.prompt_tokens
+    assert pre.served == (Served(0, HALF, 1.0, n),)
+    assert pre.fell_back and pre.recompute_budget == 1.0 and pre.risk == pytest.approx(NEVER)
+    half = engine.half_adapter()
+    assert half.dtype == torch.bfloat16 and pre.cache.all_keys.dtype == torch.float32
+    ids = engine.plan(prompt, "full").token_ids
+    low, logits = guard.exact_cache(half, engine.lock, ids, n)
+    assert torch.equal(pre.logits, logits)  # the bf16 model's own prefill
+    assert torch.equal(pre.cache.all_keys[:, :, :, :n], low.all_keys.float())
+    assert not torch.equal(pre.logits, engine.prefill(prompt, "full", write_back=False).logits)  # not float32's
+    out = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False)
+    assert out.served == pre.served and out.exact_from is None and out.token_ids[0] == int(logits.argmax())
+    # Its judgments are counted by the shadow check, and refit no curve (only calibration fits the floors').
+    engine.shadow.drain()
+    assert engine.shadow.counters["checks"] >= 1 and 1.0 not in engine.shadow.samples
+    # Without floors (uncalibrated) there is no curve to judge it by; with bf16_step off, no bf16 model: a
+    # full prefill in float32.
+    engine.predictor = constant(ALWAYS, BALANCED)
+    assert engine.prefill(prompt, write_back=False).served == (Served(0, FULL, 1.0, n),)
+    off = make_engine_like(engine, bf16_step=False)
+    off.ingest(corpus())
+    off.predictor = floored(constant(ALWAYS, BALANCED), order=0.5, dtype=NEVER)
+    assert off.prefill(prompt, write_back=False).served == (Served(0, FULL, 1.0, n),) and off.half_adapter() is None
+    assert guard.half_adapter(half) is None  # from bf16 the other dtype is the slower one
+
+
+def make_engine_like(engine, **config):
+    """A second engine on the same model and store, with these EngineConfig fields changed (its own document
+    index: ingest again)."""
+    from kvboost_rag.engine import KVBoost
+    from kvboost_rag.models import LoadedModel
+
+    loaded = LoadedModel(engine.adapter.model, engine.tokenizer, engine.model_id, "seed0")
+    return KVBoost(loaded, dataclasses.replace(engine.config, **config), store=engine.store)
+
+
+@native_bf16
+def test_a_later_token_no_repair_trusts_moves_to_a_bf16_prefill_of_the_answer_so_far(engine, prompt):
+    engine.predictor = floored(risky_then(0.05), order=0.5, dtype=NEVER)  # every repair refuses the third token
+    out = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False, repair=RepairConfig(fidelity=TARGET))
+    own = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False, repair=fast(BALANCED))
+    assert out.served == (Served(0, REPAIR, BALANCED, own.recomputed_tokens), Served(2, HALF, 1.0, out.prompt_tokens))
+    assert out.exact_from is None and not out.fell_back and out.token_ids[:2] == own.token_ids[:2]
+    assert out.fidelity_estimate == pytest.approx(1 - 0.95 ** 2)  # a bf16 prefill's tokens risk the dtype floor's
+    # Token 2 is the bf16 prefill's of the prompt and the first two tokens; later ones decode on in float32.
+    ids = torch.cat([engine.plan(prompt, "full").token_ids, torch.tensor(out.token_ids[:2])])
+    _, logits = guard.exact_cache(engine.half_adapter(), engine.lock, ids, ids.numel())
+    assert int(logits.argmax()) == out.token_ids[2]
+    # A dtype floor that refuses as well: the float32 full prefill, last.
+    engine.predictor = floored(risky_then(0.05), order=0.5, dtype=ALWAYS)
+    out = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False, repair=RepairConfig(fidelity=TARGET))
+    assert out.served[-1] == Served(2, FULL, 1.0, out.prompt_tokens) and out.exact_from == 2
+
+
+def test_a_step_trusted_at_first_and_left_part_way_is_skipped_once_measured(engine, prompt):
+    """routes.py judges a step by whole answers: a repair whose first tokens are trusted but which every answer
+    leaves part-way (here at its third token, for strict's budget) has cost its prefill and the next one's; once
+    measured, requests start from the step that serves their answers to the end."""
+    engine.predictor = risky_then(NEVER)
+    repair = RepairConfig(fidelity=TARGET)
+    for _ in range(routes.MIN_TIMINGS):  # a full prefill's time: what a step's cost is measured against
+        engine.generate(prompt, max_new_tokens=1, strategy="full", write_back=False)
+    for _ in range(routes.MIN_OUTCOMES):
+        out = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False, repair=repair)
+        assert [s.step for s in out.served] == [REPAIR, ESCALATE]
+    own, larger = ("cacheblend", str(TARGET), BALANCED), ("cacheblend", str(TARGET), STRICT)
+    assert engine.routes.trusted_share(own) == 0.0 and engine.routes.trusted_share(larger) == 1.0
+    out = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False, repair=repair)
+    # Its own repair skipped: served from the first token on by an escalation (strict's budget, or the ceiling
+    # where strict's is measured slower than a full prefill on the tiny model), to the end.
+    assert len(out.served) == 1 and out.served[0].first_token == 0 and out.served[0].step == ESCALATE
 
 
 def measured(trusted: bool, repair_s: float, full_s: float = 1.0) -> routes.Routes:

@@ -87,3 +87,24 @@ def test_loading_in_an_emulated_dtype_warns_and_says_what_to_use(tmp_path, monke
         warnings.simplefilter("error")
         models.load(str(folder), dtype="bfloat16", device="cpu")
         models.load(str(folder), dtype="float32", device="cpu")
+
+
+def test_a_copy_in_bf16_is_the_model_loaded_in_bf16_rope_frequencies_kept(tmp_path):
+    """models.in_dtype, the dtype floor's and the guard's HALF step's model: what from_pretrained(dtype=bf16) gives,
+    not a plain .to(bf16), which rounds the rotary inverse frequencies and moves far positions' keys."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=4096)).eval()
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    copied = models.in_dtype(model, torch.bfloat16)
+    assert copied.model.embed_tokens.weight.dtype == torch.bfloat16 and model.dtype == torch.float32
+    assert copied.model.rotary_emb.inv_freq.dtype == torch.float32
+    ids = torch.randint(0, 1000, (1, 64))
+    positions = torch.arange(3000, 3064)[None]  # far positions, where a rounded frequency shows
+    with torch.inference_mode():
+        want = loaded(input_ids=ids, position_ids=positions).logits
+        assert torch.equal(copied(input_ids=ids, position_ids=positions).logits, want)
+        rounded = model.to(torch.bfloat16)  # the plain cast
+        assert not torch.equal(rounded(input_ids=ids, position_ids=positions).logits, want)
