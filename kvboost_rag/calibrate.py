@@ -236,21 +236,43 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
         order_flips, dtype_flips = _floor_flips(engine, drawn, answers, bar)
         # Pass 2, with the maps: the default strategy's cache, repaired at each budget, teacher-forced on each
         # full answer; the floors' flips fitted against the same margins.
-        curves = []
+        curves, margins_at = [], {}
         for budget in budgets:
             margins, flipped = _flips(engine, laid_out, answers, budget, bar)
             floors = tuple(fidelity.fit(margins, flips, len(engine.documents), budget)
                            for flips in (order_flips, dtype_flips))
             curves.append(dataclasses.replace(fidelity.fit(margins, flipped, len(engine.documents), budget),
                                               floors=floors))
+            margins_at[budget] = margins
         bar.close()
         # The shadow checks' figures stay with the store's curve (shadow.py): they judge the guard in service,
         # whichever curve it ran.
         observed = engine.predictor.observed if engine.predictor is not None else None
         predictor = dataclasses.replace(curves[0], observed=observed).with_others(curves[1:])
         engine.set_predictor(predictor)
+        _seed_routes(engine, predictor, margins_at, [len(answer) for answer in answers])
         engine.counters["calibrations"] += 1
     return predictor
+
+
+def _seed_routes(engine, predictor: fidelity.Predictor, margins_at: dict[float, list[float]],
+                 lengths: Sequence[int]) -> None:
+    """Give the engine's ladder routes (repair/routes.py) what calibration has seen, so that its first requests do
+    not pay to learn it: per level that acts and each budget its ladder repairs at, whether the guard would have
+    served each calibration answer to its end from that budget's cache (its margins, teacher-forced on full's
+    answer, judged as a request of that level from its first token). The repairs' and the full prefills' times
+    were recorded as they ran."""
+    for level in ("balanced", "strict"):
+        settings = dataclasses.replace(engine.config.repair, fidelity=level)
+        for budget in (settings.budget, *escalations(settings, engine.config.escalate_to)):
+            if budget not in margins_at:
+                continue
+            curve, start = predictor.at(budget), 0
+            for length in (n for n in lengths if n):  # an empty answer has no margins: nothing to judge
+                watched = fidelity.Guard(curve, fidelity.target_for(level, curve), fidelity.target_of(level))
+                held = all(watched.admits(m) for m in margins_at[budget][start:start + length])
+                engine.routes.judged(("cacheblend", level, budget), held)
+                start += length
 
 
 def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], answers: Sequence[list[int]],

@@ -297,10 +297,18 @@ class Watch:
     def first_judged(self, logits: torch.Tensor, budget: float, step: str = REPAIR) -> bool:
         """Judge a new cache's first token; refused, the step that made it failed (routes.py). Trusted, it is
         judged by the answer's end: whether the cache served it there (`finish`) or was left part-way (`climb`)."""
+        counted = self._counted(step, self._next)
         trusted = self._judge(logits, budget, step)
-        if not trusted and self.builder.routes is not None:
+        if not trusted and counted:
             self.builder.routes.judged(self.step(budget, step), False)
         return trusted
+
+    def _counted(self, step: str, first_token: int) -> bool:
+        """Whether routes.py counts a cache of `step` serving from `first_token` on. Not HALF's part-way: entered
+        after repaired tokens took their share of the floor's allowance it may be refused where at a first token
+        it never is (the same curve judges it as the floor it is held to), and its first-token record must not
+        be spent on that (part-way, HALF is always tried: its alternative, a float32 prefill, costs more)."""
+        return self.builder.routes is not None and not (step == HALF and first_token > 0)
 
     def finish(self) -> None:
         """The answer is complete: the cache serving it held to the end."""
@@ -308,7 +316,7 @@ class Watch:
 
     def _outcome(self, held: bool) -> None:
         last = self.served[-1]
-        if last.step != FULL and self.builder.routes is not None:
+        if last.step != FULL and self._counted(last.step, last.first_token):
             self.builder.routes.judged(self.step(last.budget, last.step), held)
 
     def _judge(self, logits: torch.Tensor, budget: float, step: str) -> bool:
@@ -322,7 +330,7 @@ class Watch:
     def _half_tried(self) -> bool:
         """Whether HALF is a step still to try: calibrated floors, a bf16 model, not tried already, and paying."""
         return (self.policy.half_curve is not None and all(s.step != HALF for s in self.served)
-                and self.worth(1.0, HALF) and self.builder.half() is not None)
+                and (self._next > 0 or self.worth(1.0, HALF)) and self.builder.half() is not None)
 
     def climb(self, answer: Sequence[int]) -> Built:
         """The cache to serve answer token len(answer) from, the one it has refused: the next escalation whose

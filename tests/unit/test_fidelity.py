@@ -349,3 +349,18 @@ def test_a_prior_curve_counts_as_much_as_the_tokens_it_was_fitted_on():
         most.flip_chance(at) - before.flip_chance(at))
     unfitted = fidelity.fit(*few, prior=fidelity.DEFAULT_PREDICTOR)
     assert (unfitted.intercept, unfitted.slope, unfitted.tokens) == (alone.intercept, alone.slope, alone.tokens)
+
+
+def test_calibration_leaves_the_ladders_routes_measured(calibrated):
+    """What calibration saw seeds repair/routes.py, so that the first requests do not pay to learn it: for each
+    level that acts, each budget its ladder repairs at has as many outcomes as calibration answers (whether that
+    level would have served the answer to its end from that budget's cache) and, with the full prefills, is timed."""
+    steps = [("cacheblend", level, budget) for level in ("balanced", "strict")
+             for settings in [RepairConfig(fidelity=level)]
+             for budget in (settings.budget, *guard.escalations(settings, calibrated.config.escalate_to))]
+    assert len(steps) == 5  # balanced: 0.07, 0.15, 0.3; strict: 0.15, 0.3
+    # One outcome per calibration answer (the tiny corpus makes few prompts: a real one, 12, enough to act on).
+    assert len({len(calibrated.routes._trusted[step]) for step in steps}) == 1
+    assert len(calibrated.routes._trusted[steps[0]]) >= 3
+    for step in steps:
+        assert calibrated.routes.cost("cacheblend", step[2]) is not None  # timed as calibration repaired
