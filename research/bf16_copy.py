@@ -2,7 +2,7 @@
 one made by in_dtype and one loaded in bf16, as the guard's HALF step serves from it (repair/guard.py: a full
 prefill in bf16, decoded on in float32). Per item, whether the first N tokens equal a float32 full prefill's.
 
-    .venv/bin/python research/bf16_copy.py --limit 10      # ~2 min; 7 / 10 / 10 of 10 at commit 14a9efd
+    .venv/bin/python research/bf16_copy.py --limit 10      # 3 min; 7 / 10 / 10 of 10 at commit 7c827d4
 """
 
 from __future__ import annotations
