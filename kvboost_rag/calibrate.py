@@ -214,9 +214,8 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
     # own), a curve each: the levels' budgets and the ladder's escalations above them (EngineConfig.escalate_to),
     # so that an escalation is judged by a curve of its own budget, not by a smaller budget's cautious one.
     repair = engine.config.repair
-    levels = [dataclasses.replace(repair, fidelity=level) for level in fidelity.LEVELS]
-    reached = {b for settings in levels for b in (settings.budget, *escalations(settings, engine.config.escalate_to))}
-    budgets = list(dict.fromkeys([repair.budget] + sorted(reached)))
+    ladders = {level: _ladder(engine, level) for level in fidelity.LEVELS}
+    budgets = list(dict.fromkeys([repair.budget] + sorted({b for ladder in ladders.values() for b in ladder})))
     bar = tqdm(total=(2 + len(budgets)) * len(laid_out), desc="calibrating", unit="prompt",
                disable=not progress if progress is not None else None)
     with engine.lock:
@@ -250,23 +249,26 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
         observed = engine.predictor.observed if engine.predictor is not None else None
         predictor = dataclasses.replace(curves[0], observed=observed).with_others(curves[1:])
         engine.set_predictor(predictor)
-        _seed_routes(engine, predictor, margins_at, [len(answer) for answer in answers])
+        _seed_routes(engine, predictor, ladders, margins_at, [len(answer) for answer in answers])
         engine.counters["calibrations"] += 1
     return predictor
 
 
-def _seed_routes(engine, predictor: fidelity.Predictor, margins_at: dict[float, list[float]],
-                 lengths: Sequence[int]) -> None:
+def _ladder(engine, level: str) -> tuple[float, ...]:
+    """The budgets a request of `level` is repaired at: its own, then its ladder's escalations (repair/guard.py)."""
+    settings = dataclasses.replace(engine.config.repair, fidelity=level)
+    return settings.budget, *escalations(settings, engine.config.escalate_to)
+
+
+def _seed_routes(engine, predictor: fidelity.Predictor, ladders: dict[str, tuple[float, ...]],
+                 margins_at: dict[float, list[float]], lengths: Sequence[int]) -> None:
     """Give the engine's ladder routes (repair/routes.py) what calibration has seen, so that its first requests do
     not pay to learn it: per level that acts and each budget its ladder repairs at, whether the guard would have
     served each calibration answer to its end from that budget's cache (its margins, teacher-forced on full's
     answer, judged as a request of that level from its first token). The repairs' and the full prefills' times
     were recorded as they ran."""
     for level in ("balanced", "strict"):
-        settings = dataclasses.replace(engine.config.repair, fidelity=level)
-        for budget in (settings.budget, *escalations(settings, engine.config.escalate_to)):
-            if budget not in margins_at:
-                continue
+        for budget in ladders[level]:
             curve, start = predictor.at(budget), 0
             for length in (n for n in lengths if n):  # an empty answer has no margins: nothing to judge
                 watched = fidelity.Guard(curve, fidelity.target_for(level, curve), fidelity.target_of(level))
@@ -280,8 +282,9 @@ def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], answers: Sequence[l
     """The floors' flips at every step of every full answer, in _flips's order: whether a full prefill of the
     documents reversed (the order floor), and one of the model in the other dtype (the dtype floor), choose
     another token there (teacher-forced, so every step is judged after the same tokens)."""
-    # A float32 engine's bf16 model is the one its ladder's HALF step serves from (repair/guard.py), where it has one.
-    half = engine.half_adapter() if engine.adapter.dtype == torch.float32 else None
+    # The bf16 model the ladder's HALF step serves from (repair/guard.py), where the engine has one (float32, bf16
+    # native, bf16_step on).
+    half = engine.half_adapter()
     other = half.model if half is not None else _other_dtype(engine.adapter.model)
     order, dtype = [], []
     for item, answer in zip(drawn, answers, strict=True):
