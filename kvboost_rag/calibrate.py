@@ -248,8 +248,8 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
         # whichever curve it ran.
         observed = engine.predictor.observed if engine.predictor is not None else None
         predictor = dataclasses.replace(curves[0], observed=observed).with_others(curves[1:])
-        engine.set_predictor(predictor)
         _seed_routes(engine, predictor, ladders, margins_at, [len(answer) for answer in answers])
+        engine.set_predictor(predictor)  # saved with the routes seeded
         engine.counters["calibrations"] += 1
     return predictor
 

@@ -178,8 +178,8 @@ class KVBoost:
         self._warned_lost: set[str] = set()  # documents whose lost tokens were warned about
         # Online calibration: a share of the guarded answers checked against a full prefill in the background.
         self.shadow = shadow.Shadow(self, config.shadow_share, config.shadow_share_young, config.shadow_queue)
-        # Which steps of the guard's ladder pay for themselves on this machine (repair/routes.py).
-        self.routes = routes.Routes(enabled=config.ladder_costs)
+        # Which steps of the guard's ladder pay for themselves on this machine (repair/routes.py), as last saved.
+        self.routes = routes.restored(self.predictor and self.predictor.routes, enabled=config.ladder_costs)
         self._half: ModelAdapter | bool | None = None  # the model in bf16 (half_adapter); False: there is none
 
     @classmethod
@@ -250,9 +250,9 @@ class KVBoost:
         calibration.save(self, "drift", drift.to_bytes(maps, self.fingerprint))
 
     def set_predictor(self, predictor: fidelity.Predictor) -> None:
-        """Use this fidelity predictor from now on, and save it beside the store (disk tier's folder, Redis tier)."""
+        """Use this fidelity predictor from now on; save it, with the ladder's routes so far, beside the store."""
         self.predictor = predictor
-        calibration.save(self, "fidelity", fidelity.to_bytes(predictor, self.fingerprint))
+        calibration.save(self, "fidelity", fidelity.to_bytes(predictor, self.fingerprint, self.routes.to_json()))
 
     def document(self, text: str) -> Document:
         """The ingested form of a document's text (tokens and chunks), made if needed; not stored."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, astuple, dataclass, fields, replace
+from dataclasses import asdict, astuple, dataclass, field, fields, replace
 
 import safetensors.torch
 import torch
@@ -57,6 +57,9 @@ LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
 STRICT = 0.03
 MIN_TOKENS = 32  # calibration tokens a fit needs, at least a few of them flips
+# A prior curve whose expected flips at the new samples' margins are more standard deviations than this from the
+# flips counted there is refuted by them, and counts the less the further (fit's prior).
+REFUTED = 3.0
 # Used until a corpus is calibrated: a flip is even odds at margin 0 and 1 in 50 at 2 nats.
 DEFAULT = (0.0, -2.0)
 
@@ -152,6 +155,9 @@ class Predictor:
     floors: tuple[Predictor, Predictor] | None = None
     # The shadow checks' figures so far (shadow.py), on the main curve only; None: no check has refit a curve yet
     observed: Observed | None = None
+    # The ladder's routes as saved with the curves (repair/routes.py's to_json), read back by from_bytes; None: none.
+    # Not the curves' own: two predictors of the same curves are equal whatever routes they were saved with.
+    routes: str | None = field(default=None, compare=False)
 
     def flip_chance(self, margin: float) -> float:
         z = self.intercept + self.slope * margin
@@ -221,7 +227,11 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, b
 
     With `prior` (a curve fitted before, on its `tokens`), that curve counts as much as the tokens it was fitted on:
     it adds, at the same margins, its own flip chances as soft labels, weighing `prior.tokens` in all, so that a few
-    new samples move a curve fitted on many only part of the way (shadow.py). The result counts both's tokens."""
+    new samples move a curve fitted on many only part of the way (shadow.py). Unless the samples refute it: a prior
+    that expects a number of flips at their margins more than REFUTED standard deviations from the count weighs
+    (REFUTED / z)^2 of its tokens (at twice the distance, a quarter), never less than MIN_TOKENS' worth, so a curve
+    calibrated elsewhere and wrong here is replaced by what the checks see, where one they agree with only moves.
+    The result counts both's tokens."""
     if len(margins) < MIN_TOKENS:
         raise ValueError(f"a fidelity predictor needs at least {MIN_TOKENS} calibration tokens, got {len(margins)}")
     x = torch.tensor(list(margins), dtype=torch.float64)
@@ -230,8 +240,13 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, b
     tokens, flips = len(margins), int(y.sum())
     if prior is not None and prior.tokens > 0:
         soft = torch.tensor([prior.flip_chance(m) for m in margins], dtype=torch.float64)
+        # The flips' count has variance sum p(1 - p) under the prior; at least 1, so that one flip where it expects
+        # none is no refutation.
+        z = abs(float(y.sum() - soft.sum())) / math.sqrt(max(float((soft * (1 - soft)).sum()), 1.0))
+        counted = max(prior.tokens * min(1.0, (REFUTED / z) ** 2) if z > 0 else prior.tokens,
+                      min(prior.tokens, MIN_TOKENS))
         x, y = torch.cat([x, x]), torch.cat([y, soft])
-        weight = torch.cat([weight, torch.full_like(weight, prior.tokens / len(margins))])
+        weight = torch.cat([weight, torch.full_like(weight, counted / len(margins))])
         tokens, flips = tokens + prior.tokens, flips + prior.flips
     design = torch.stack([torch.ones_like(x), x], dim=1)  # [T, 2]
     centre = torch.tensor(DEFAULT, dtype=torch.float64)
@@ -257,15 +272,18 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, b
     return Predictor(float(w[0]), float(w[1]), tokens, flips, documents, budget)
 
 
-def to_bytes(predictor: Predictor, fingerprint: str) -> bytes:
+def to_bytes(predictor: Predictor, fingerprint: str, routes: str | None = None) -> bytes:
     """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what
     calibrate.save keeps beside the engine's store (a file, a Redis value). One row per curve, the main one
     first: (budget, intercept, slope, tokens, flips), then the same four for the order and the dtype floor's
     curves (NaN without floors). The shadow checks' figures, where there are some, as JSON in the metadata
-    ("observed"): a reader of version 4 without them ignores them, and one with them reads a file without as none."""
+    ("observed"): a reader of version 4 without them ignores them, and one with them reads a file without as none.
+    So with the ladder's routes (`routes`, repair/routes.py's JSON; default: the predictor's own)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "documents": str(predictor.documents)}
     if predictor.observed is not None:
         meta["observed"] = predictor.observed.to_json()
+    if (routes := routes or predictor.routes) is not None:
+        meta["routes"] = routes
     rows = []
     for c in (predictor, *predictor.others):
         floors = ([v for f in c.floors for v in (f.intercept, f.slope, f.tokens, f.flips)] if c.floors
@@ -298,4 +316,4 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
             return None  # partly there: damaged
         parsed.append(Predictor(intercept, slope, int(tokens), int(flips), documents, budget, floors=floors))
     main, *others = parsed
-    return replace(main, observed=observed).with_others(others)
+    return replace(main, observed=observed, routes=meta.get("routes")).with_others(others)

@@ -12,8 +12,10 @@ when that cache's greedy token differs from full's. The samples of each budget (
 budget's curve after every check, once there are fidelity.MIN_TOKENS of them, the curve the engine had before counting
 as much as the tokens it was fitted on (a calibrated curve is moved part of the way by a few checks, not replaced:
 replaced, on a corpus it was calibrated apart from, the curves swung and moved most answers to a full prefill,
-docs/method.md); the engine uses the new curves at once and saves them beside the store (KVBoost.set_predictor: the disk
-tier's folder, the Redis tier), so a restarted server or another process on the same Redis starts from them. Only
+docs/method.md) until the checks refute it (its expected flips REFUTED standard deviations from those counted,
+fidelity.fit), when it counts the less the further: a curve wrong here is then corrected, not held half-way); the
+engine uses the new curves at once and saves them beside the store (KVBoost.set_predictor: the disk tier's folder,
+the Redis tier), so a restarted server or another process on the same Redis starts from them. Only
 requests the guard may move are checked ("fast" answers are not: they asked for no guard).
 
 Off the critical path: `offer` only queues (a bounded queue: a check offered to a full one is dropped), and one

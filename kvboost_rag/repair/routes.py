@@ -18,13 +18,22 @@ than a full prefill (the H200 of docs/gpu_h200/) stops repairing.
 Skipping only ever serves a request from a cache nearer to a full prefill's: it moves cost, never fidelity.
 Until a step has been judged MIN_OUTCOMES times and both costs timed MIN_TIMINGS times it is tried; a skipped
 step is still tried once every EXPLORE_EVERY skips, so that its share follows what is asked now.
+
+The record goes with the fidelity curves (KVBoost.set_predictor: `to_json` in the fidelity file's metadata, the same
+bytes in Redis), written when calibration has seeded it (calibrate.py) and at every refit of the online checks; an
+engine that loads the curves starts from it (`restored`), so a restarted server or another process on the same Redis
+does not pay its first requests to learn what the calibrating one measured. Only cost rests on it: a record that is
+not ours or damaged is warned about and started afresh.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import math
 import statistics
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 WINDOW = 32  # the judgments of a step kept: the newest
@@ -88,3 +97,35 @@ class Routes:
             explore = self._skips[step] % EXPLORE_EVERY == 0
         self.counters["explored" if explore else "skipped"] += 1
         return explore
+
+    def to_json(self) -> str:
+        """The judgments and timings kept, oldest first: what `restored` reads."""
+        with self._lock:
+            judged = [[*step, "".join("1" if held else "0" for held in outcomes)]
+                      for step, outcomes in self._trusted.items()]
+            timed = [[*key, list(times)] for key, times in self._seconds_per_token.items()]
+        return json.dumps({"judged": judged, "timed": timed})
+
+
+def restored(text: str | None, enabled: bool = True) -> Routes:
+    """A record starting from what `Routes.to_json` wrote (None: an empty one)."""
+    record = Routes(enabled=enabled)
+    if text is None:
+        return record
+    try:
+        saved = json.loads(text)
+        for strategy, level, budget, outcomes in saved["judged"]:
+            if not isinstance(outcomes, str) or set(outcomes) - {"0", "1"}:
+                raise ValueError(f"outcomes {outcomes!r} are not a string of 0 and 1")
+            step = (str(strategy), str(level), float(budget))
+            record._trusted[step] = collections.deque((c == "1" for c in outcomes), maxlen=WINDOW)
+        for strategy, budget, times in saved["timed"]:
+            times = [float(t) for t in times]
+            if not all(math.isfinite(t) and t >= 0 for t in times):
+                raise ValueError(f"times {times} are not finite, non-negative numbers")
+            record._seconds_per_token[(str(strategy), float(budget))] = collections.deque(times, maxlen=TIMINGS)
+    except (ValueError, TypeError, KeyError) as error:
+        warnings.warn(f"ignoring the ladder's saved routes ({error}): they are measured again from the next requests "
+                      "(this costs time, never fidelity)", stacklevel=2)
+        return Routes(enabled=enabled)
+    return record
