@@ -204,7 +204,9 @@ class Shadow:
         for budget in sorted({judged.budget for judged, _ in repaired}):
             samples = self.samples[budget]
             current = predictor.at(budget)
-            if _fitted(current) != self._handed.get(budget):  # not a refit of ours: calibrated since
+            # The first check at this budget, or a curve not of our refits (calibrated since): the prior from now on.
+            # (A refit hands over every budget's curve, so a budget first judged later is in _handed, not _priors.)
+            if budget not in self._priors or _fitted(current) != self._handed.get(budget):
                 self._priors[budget] = current
             prior = self._priors[budget]
             if len(samples) >= fidelity.MIN_TOKENS:

@@ -130,7 +130,7 @@ class Builder:
     @torch.inference_mode()
     def exact(self, answer: Sequence[int] = ()) -> Built:
         """A full prefill of the prompt and `answer` into a new cache, nothing reused."""
-        token_ids = torch.cat([self.plan.token_ids, torch.tensor(list(answer), dtype=torch.long)])  # [N + T]
+        token_ids = self._and(answer)
         with self.lock:
             started = time.perf_counter()
             cache, logits = exact_cache(self.adapter, self.lock, token_ids, self.capacity)
@@ -141,8 +141,7 @@ class Builder:
     def halved(self, answer: Sequence[int] = ()) -> Built:
         """A full prefill of the prompt and `answer` in bf16 (the HALF step; `half()` must not be None), its K/V
         copied into a float32 cache to decode from."""
-        half = self.half()
-        token_ids = torch.cat([self.plan.token_ids, torch.tensor(list(answer), dtype=torch.long)])  # [N + T]
+        half, token_ids = self.half(), self._and(answer)
         n = token_ids.shape[0]
         with self.lock:
             started = time.perf_counter()
@@ -151,6 +150,10 @@ class Builder:
             cache.all_keys[:, :, :, :n], cache.all_values[:, :, :, :n] = low.all_keys, low.all_values
             self._timed(HALF, 1.0, started, logits, len(answer))
         return Built(cache, logits, self.plan.num_tokens)
+
+    def _and(self, answer: Sequence[int]) -> torch.Tensor:
+        """The prompt's token ids, then the answer's: [N + T]."""
+        return torch.cat([self.plan.token_ids, torch.tensor(list(answer), dtype=torch.long)])
 
     def _timed(self, name: str, budget: float, started: float, logits: torch.Tensor, answer_tokens: int) -> None:
         if self.routes is None:

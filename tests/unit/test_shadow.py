@@ -14,9 +14,10 @@ import time
 import pytest
 import torch
 
-from kvboost_rag import fidelity
+from kvboost_rag import fidelity, shadow
 from kvboost_rag.cli import store as store_cli
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
+from kvboost_rag.repair.guard import Judged
 from kvboost_rag.shadow import with_curve
 
 TOKENS = 16
@@ -260,4 +261,24 @@ def test_a_curve_calibrated_on_many_tokens_is_moved_part_of_the_way_by_a_few_che
     engine.generate(prompts(checks_needed + 2)[-1], max_new_tokens=TOKENS, write_back=False)
     assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["refits"] == 3
     assert engine.predictor.at(BALANCED).tokens == 20_000 + (checks_needed + 2) * TOKENS
+    engine.close()
+
+
+def test_a_budget_first_judged_after_a_refit_is_refit_from_its_own_curve(make_tiny_engine):
+    """A refit hands the engine every budget's curve; a later check whose answer escalated to a budget no check had
+    judged before refits that budget too, from the curve the engine had there (it once failed with KeyError)."""
+    engine = make_tiny_engine(EngineConfig(calibrate=False), guarded=True)
+    larger = 0.3
+    engine.predictor = NEVER_FLIPS.with_others([dataclasses.replace(NEVER_FLIPS, budget=larger)])
+
+    def check(budget: float) -> shadow.Check:
+        judged = tuple(Judged(i, budget, 0.5, 1e-13, 1, True) for i in range(fidelity.MIN_TOKENS))
+        return shadow.Check(torch.zeros(4, dtype=torch.long), tuple([1] * fidelity.MIN_TOKENS), judged, 0.0)
+
+    full_flips_every_token = torch.zeros(fidelity.MIN_TOKENS + 1, dtype=torch.long)  # full's token 0, served 1
+    engine.shadow._learn(check(BALANCED), full_flips_every_token)
+    engine.shadow._learn(check(larger), full_flips_every_token)
+    assert engine.shadow.counters["refits"] == 2
+    for budget in (BALANCED, larger):
+        assert engine.predictor.at(budget).budget == budget and engine.predictor.at(budget).flip_chance(0.5) > 0.5
     engine.close()
