@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from . import packing
 from .config import ConfigError, check_device
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -118,8 +119,10 @@ def in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of `model` in `dtype`, as `from_pretrained(dtype=...)` would load it: the rotary embeddings' inverse
     frequencies stay float32. A plain `.to(dtype)` rounds them too, and at position ~1k the rounded angles move
     the keys far enough that a bf16 copy agreed with float32 on 7 of 10 answers where one loaded in bf16 agreed
-    on 10 (fidelity_holdout, 16 tokens)."""
-    copied = copy.deepcopy(model).to(dtype)
+    on 10 (fidelity_holdout, 16 tokens). A bf16 model's packed weights (packing.py) are shared, not copied: deepcopy
+    cannot copy them, and a copy in another dtype computes with its own weights (PackedLinear.forward)."""
+    shared = {id(tensor): tensor for tensor in packing.packed_tensors(model)}
+    copied = copy.deepcopy(model, shared).to(dtype)
     for name, module in model.named_modules():
         if "rotary" in type(module).__name__.lower():
             for buffer, value in module.named_buffers(recurse=False):

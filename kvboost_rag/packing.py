@@ -124,6 +124,16 @@ class Siblings:
         return True
 
 
+def packed_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The packed weights of `model`'s PackedLinears and their Siblings: oneDNN's opaque tensors, which
+    `copy.deepcopy` cannot copy (models.in_dtype shares them instead)."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            found += [t for t in (module.packed, module.siblings and module.siblings.packed) if t is not None]
+    return found
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether weights of `dtype` on `device` are packed: bf16 on a CPU whose oneDNN runs bf16, where the probe
     (a packed linear against F.linear, bit for bit) passes."""

@@ -8,7 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag.adapter import ModelAdapter
-from kvboost_rag.models import LoadedModel
+from kvboost_rag.calibrate import MIN_DOCUMENTS
+from kvboost_rag.models import LoadedModel, in_dtype
 from kvboost_rag.packing import PackedLinear, Siblings, can_pack, pack_linears
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
@@ -149,3 +150,29 @@ def test_siblings_whose_columns_would_differ_are_left_apart(monkeypatch):
     pack_linears(model)
     assert all(getattr(module, "siblings", None) is None for module in model.modules())
     assert all(module.packed is not None for module in model.modules() if isinstance(module, PackedLinear))
+
+
+@needs_bf16
+def test_a_packed_model_copied_into_float32_computes_as_the_unpacked_one():
+    """Calibrating a bf16 engine copies its model into float32 (the dtype floor): oneDNN's packed weights cannot be
+    deep-copied (it once failed there), so the copy shares them and computes with its own float32 weights."""
+    plain, packed = _tiny(torch.bfloat16), _tiny(torch.bfloat16)
+    pack_linears(packed)
+    ids = torch.randint(0, packed.config.vocab_size, (1, 23))
+    with torch.inference_mode():
+        expected = in_dtype(plain, torch.float32)(ids).logits
+        assert torch.equal(in_dtype(packed, torch.float32)(ids).logits, expected)
+        assert torch.equal(packed(ids).logits, plain(ids).logits)  # the packed model itself is left as it was
+
+
+@needs_bf16
+def test_a_bf16_engine_calibrates_by_ingestion(bundled_tokenizer):
+    """As shipped in bf16 (the guard on, ingestion calibrating): calibration fits the dtype floor on a float32 copy
+    of the packed model, and the engine ends calibrated."""
+    loaded = LoadedModel(_tiny(torch.bfloat16), bundled_tokenizer, "tiny-random-llama", "seed0")
+    engine = KVBoost(loaded, EngineConfig(dtype="bfloat16"))
+    assert engine.adapter.packed_linears > 0
+    engine.ingest([f"Harbour {i} of Brekkvik holds {100 + 7 * i} boats and its keeper is called Ingrid {i}."
+                   for i in range(MIN_DOCUMENTS)])
+    assert engine.counters["calibrations"] == 1 and engine.predictor.at(0.07).floors is not None
+    engine.close()
