@@ -15,7 +15,9 @@ trusts each token. Before a token it does not trust, the request climbs:
      request's, then EngineConfig.escalate_to), exact prefix hits kept as they are, then the answer's tokens so far
      run after the prompt, teacher-forced: they were decoded from the smaller repair, so their K/V must be made
      again against the new cache to be that cache's. The token is judged again, by the curve fitted at the larger
-     budget (Predictor.at); the first budget that trusts it serves from there on.
+     budget (Predictor.at), and its top token must be the one the refused repair picked (two repairs that pick
+     apart: the token rests on what they left stale, see `_refused_top`); the first budget that trusts it serves
+     from there on.
   2. HALF: where the engine runs in float32 and bf16 runs natively (EngineConfig.bf16_step), a full prefill of the
      prompt and the answer so far in bf16, nothing reused, its K/V kept in float32 to decode from: the cache the
      dtype floor is made of, ~1.6x faster than a float32 one on a CPU with bf16 instructions. It is judged by the
@@ -297,11 +299,13 @@ class Watch:
         routes = self.builder.routes
         return routes is None or routes.worth(self.step(budget, step))
 
-    def first_judged(self, logits: torch.Tensor, budget: float, step: str = REPAIR) -> bool:
+    def first_judged(self, logits: torch.Tensor, budget: float, step: str = REPAIR, agree_with: int | None = None
+                     ) -> bool:
         """Judge a new cache's first token; refused, the step that made it failed (routes.py). Trusted, it is
-        judged by the answer's end: whether the cache served it there (`finish`) or was left part-way (`climb`)."""
+        judged by the answer's end: whether the cache served it there (`finish`) or was left part-way (`climb`).
+        `agree_with`: the top token of the repair it climbed from, which its top token must equal (`climb`)."""
         counted = self._counted(step, self._next)
-        trusted = self._judge(logits, budget, step)
+        trusted = self._judge(logits, budget, step, agree_with)
         if not trusted and counted:
             self.builder.routes.judged(self.step(budget, step), False)
         return trusted
@@ -322,13 +326,22 @@ class Watch:
         if last.step != FULL and self._counted(last.step, last.first_token):
             self.builder.routes.judged(self.step(last.budget, last.step), held)
 
-    def _judge(self, logits: torch.Tensor, budget: float, step: str) -> bool:
-        margin = fidelity.margin(logits)
-        trusted = self._guard.admits(margin)
+    def _judge(self, logits: torch.Tensor, budget: float, step: str, agree_with: int | None = None) -> bool:
+        margin, top = fidelity.margin(logits), int(logits.argmax())
+        trusted = (agree_with is None or top == agree_with) and self._guard.admits(margin)
         self.judged.append(Judged(self._next, budget, margin, self._guard.predictor.flip_chance(margin),
-                                  int(logits.argmax()), trusted, step))
+                                  top, trusted, step))
         self._next += trusted
         return trusted
+
+    def _refused_top(self, index: int) -> int | None:
+        """The top token of the last repair refused at answer token `index` (None: none was), which the next repair
+        must repeat to be trusted. Two repairs of one plan at different budgets that pick different tokens say the
+        token rests on what the repairs left stale: a margin cannot show it, the upper repair can be sure and wrong
+        (Gemma 3 270M: at 0.3 after 0.15, 5 of 8 such tokens flipped against 10 of 472 where they agreed;
+        docs/method.md). So a disagreement climbs on, at no cost where they agree: both logits are at hand."""
+        refused = [j for j in self.judged if j.index == index and not j.served and j.step != HALF]
+        return refused[-1].top if refused else None
 
     def _half_tried(self) -> bool:
         """Whether HALF is a step still to try: calibrated floors, a bf16 model, not tried already, and paying."""
@@ -347,7 +360,7 @@ class Watch:
         for budget in (b for b in self.policy.escalations if b > below and self.worth(b)):
             built = self.builder.repaired(budget, answer)
             self._guard.predictor, self._guard.target = self.policy.judged_by(ESCALATE, budget)
-            if self.first_judged(built.logits, budget, ESCALATE):
+            if self.first_judged(built.logits, budget, ESCALATE, self._refused_top(first)):
                 self.served.append(Served(first, ESCALATE, budget, built.recomputed_tokens))
                 return built
         if self._half_tried():

@@ -7,6 +7,7 @@ which steps the guard trusts; the caches, logits and answers are the model's own
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -104,6 +105,32 @@ def test_a_first_token_refused_at_the_requests_budget_is_served_by_a_larger_repa
     engine.config = dataclasses.replace(engine.config, escalate_to=0.0)
     straight = engine.prefill(prompt, write_back=False)
     assert straight.fell_back and straight.served == (Served(0, FULL, 1.0, straight.prompt_tokens),)
+
+
+def test_a_larger_repair_that_picks_another_first_token_than_the_refused_one_is_not_trusted(engine):
+    """Two repairs of one plan that pick apart: the token rests on what they left stale, however sure the larger
+    one is. Its curve trusts every token here, and still the request climbs past it to a full prefill."""
+    engine.config = dataclasses.replace(engine.config, escalate_to=STRICT)  # the ladder: strict's repair, then full
+    engine.predictor = constant(ALWAYS, BALANCED).with_others([constant(NEVER, STRICT)])
+    apart = agreeing = None
+    for docs in itertools.permutations(corpus()):
+        prompt = prompt_of(list(docs))
+        if engine.plan(prompt, "cacheblend").count(APPROX) == 0:
+            continue
+        tops = [int(engine.prefill(prompt, write_back=False, repair=fast(b)).logits.argmax()) for b in (BALANCED,
+                                                                                                       STRICT)]
+        if tops[0] != tops[1]:
+            apart = apart or prompt
+        else:
+            agreeing = agreeing or prompt
+    assert apart is not None and agreeing is not None  # the random model has both kinds of prompt
+    pre = engine.prefill(apart, max_new_tokens=TOKENS, write_back=False)
+    assert pre.served == (Served(0, FULL, 1.0, pre.prompt_tokens),)
+    assert torch.equal(pre.logits, engine.prefill(apart, "full", write_back=False).logits)
+    refused = [j for j in pre.judged if j.step == ESCALATE]
+    assert len(refused) == 1 and not refused[0].served and refused[0].chance == pytest.approx(NEVER)
+    # Where the two repairs agree, the larger one serves, as its curve says.
+    assert engine.prefill(agreeing, max_new_tokens=TOKENS, write_back=False).served[0].step == ESCALATE
 
 
 def risky_then(later: float) -> fidelity.Predictor:
