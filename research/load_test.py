@@ -681,13 +681,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def read_items(data: Path, skip: int, count: int) -> tuple[list, list[str]]:
+    """`count` items of `data` after the first `skip`, and their distinct documents in the order first met."""
+    items = load_items(data, skip + count)[skip:]
+    if len(items) < count:
+        raise SystemExit(f"{data} has only {len(items)} items after --skip {skip}")
+    return items, list(dict.fromkeys(doc for item in items for doc in item.documents))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` and kill: stop the servers on the way out
-    items = load_items(args.data, args.skip + args.items)[args.skip:]
-    if len(items) < args.items:
-        raise SystemExit(f"{args.data} has only {len(items)} items after --skip {args.skip}")
-    documents = list(dict.fromkeys(doc for item in items for doc in item.documents))
+    items, documents = read_items(args.data, args.skip, args.items)
     with tempfile.TemporaryDirectory(prefix="kvboost-load-") as tmp, contextlib.ExitStack() as cleanup:
         redis_server, store = None, args.store
         if store == "redis":

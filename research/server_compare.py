@@ -47,10 +47,10 @@ from pathlib import Path
 import httpx
 import openai
 import psutil
-from load_test import Job, Prompt, Record, Server, ask, build_prompts, percentile  # research/load_test.py
+from load_test import Job, Prompt, Record, Server, ask, build_prompts, percentile, read_items  # research/load_test.py
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvboost_rag.bench.data import bundled, load_items
+from kvboost_rag.bench.data import bundled
 from kvboost_rag.bench.run import correct
 from kvboost_rag.calibrate import MIN_DOCUMENTS
 
@@ -309,10 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` and kill: stop the servers on the way out
-    items = load_items(args.data, args.skip + args.items)[args.skip:]
-    if len(items) < args.items:
-        raise SystemExit(f"{args.data} has only {len(items)} items after --skip {args.skip}")
-    documents = list(dict.fromkeys(doc for item in items for doc in item.documents))
+    items, documents = read_items(args.data, args.skip, args.items)
     prompts = build_prompts(items, args.orders, args.seed)
     random.Random(args.seed).shuffle(prompts)
     warmups, prompts = prompts[:args.warmup], prompts[args.warmup:] or prompts  # warm-up prompts are not timed
