@@ -221,9 +221,10 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
     with engine.lock:
         # Pass 1, per prompt: one full prefill gives both the drift maps' truth (its K/V) and the greedy answer.
         sums = drift.NormalEquations.empty(engine.adapter, drift.PLACES) if engine.config.repair.drift else None
-        answers = []
+        answers, prompt_ids = [], []
         for prompt in laid_out:
             full = engine.prefill(prompt, "full", max_new_tokens=TOKENS, write_back=False)
+            prompt_ids.append(full.plan.token_ids)
             if sums is not None:
                 reused = [c for c in engine.plan(prompt, "naive").chunks if c.source == APPROX]
                 drift.add_prompt(engine.adapter, sums, reused, *full.cache.span(0, full.prompt_tokens))
@@ -232,7 +233,7 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
             bar.update(1)
         if sums is not None and sums.prompts:
             engine.set_drift(drift.solve(sums))
-        order_flips, dtype_flips = _floor_flips(engine, drawn, answers, bar)
+        order_flips, dtype_flips = _floor_flips(engine, drawn, prompt_ids, answers, bar)
         # Pass 2, with the maps: the default strategy's cache, repaired at each budget, teacher-forced on each
         # full answer; the floors' flips fitted against the same margins.
         curves, margins_at = [], {}
@@ -277,20 +278,21 @@ def _seed_routes(engine, predictor: fidelity.Predictor, ladders: dict[str, tuple
                 start += length
 
 
-def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], answers: Sequence[list[int]],
-                 bar) -> tuple[list[bool], list[bool]]:
+def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], prompt_ids: Sequence[torch.Tensor],
+                 answers: Sequence[list[int]], bar) -> tuple[list[bool], list[bool]]:
     """The floors' flips at every step of every full answer, in _flips's order: whether a full prefill of the
     documents reversed (the order floor), and one of the model in the other dtype (the dtype floor), choose
-    another token there (teacher-forced, so every step is judged after the same tokens)."""
+    another token there (teacher-forced, so every step is judged after the same tokens). `prompt_ids`: each
+    prompt's tokens as its full prefill ran them."""
     # The bf16 model the ladder's HALF step serves from (repair/guard.py), where the engine has one (float32, bf16
     # native, bf16_step on).
     half = engine.half_adapter()
     other = half.model if half is not None else _other_dtype(engine.adapter.model)
     order, dtype = [], []
-    for item, answer in zip(drawn, answers, strict=True):
+    for item, ids, answer in zip(drawn, prompt_ids, answers, strict=True):
         if answer:
             order += _changes(engine.adapter.model, engine.plan(item.reordered, "full").token_ids, answer)
-            dtype += _changes(other, engine.plan(item.prompt, "full").token_ids, answer)
+            dtype += _changes(other, ids, answer)
         bar.update(1)
     del other
     return order, dtype
