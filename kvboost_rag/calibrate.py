@@ -241,8 +241,10 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
             margins, flipped = _flips(engine, laid_out, answers, budget, bar)
             floors = tuple(fidelity.fit(margins, flips, len(engine.documents), budget)
                            for flips in (order_flips, dtype_flips))
-            curves.append(dataclasses.replace(fidelity.fit(margins, flipped, len(engine.documents), budget),
-                                              floors=floors))
+            # The floors are fitted as measured (a floor raised would loosen the level it holds), the curve is
+            # fitted cautious where it saw few flips (fidelity.fit's pseudo_flips).
+            curve = fidelity.fit(margins, flipped, len(engine.documents), budget, pseudo_flips=fidelity.PSEUDO_FLIPS)
+            curves.append(dataclasses.replace(curve, floors=floors))
             margins_at[budget] = margins
         bar.close()
         # The shadow checks' figures stay with the store's curve (shadow.py): they judge the guard in service,

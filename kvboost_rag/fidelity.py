@@ -8,10 +8,11 @@ unsure between them. So the guard watches each token's margin under the reused c
     P(flip | margin) = sigmoid(intercept + slope * margin)
 
 fitted per model and corpus (`fit`, on calibration prompts: the reused cache's margins against a full prefill's
-greedy tokens, teacher-forced; run by ingestion itself, see calibrate.py) and saved beside the store (its disk
-folder, its Redis tier). One curve per recompute budget the levels run at: a cache repaired less is wrong more
-often at the same margin, so a curve fitted at balanced's budget would make strict's (larger) one fall back far
-more than it needs to; a request is judged by the curve of its own budget (`Predictor.at`).
+greedy tokens, teacher-forced, the curve raised to expect one flip more than they held, so that a budget whose
+calibration saw none is not the most trusted; run by ingestion itself, see calibrate.py) and saved beside the
+store (its disk folder, its Redis tier). One curve per recompute budget the levels run at: a cache repaired less
+is wrong more often at the same margin, so a curve fitted at balanced's budget would make strict's (larger) one
+fall back far more than it needs to; a request is judged by the curve of its own budget (`Predictor.at`).
 
 A request's risk is the chance its answer differs from a full prefill's so far,
 1 - prod(1 - P(flip | m_t)) over the tokens served from the reused cache. Before a token would take the risk
@@ -51,8 +52,9 @@ import torch
 from .store.files import safetensors_metadata
 
 # 3: one curve per recompute budget; 4: and the floors' curves at it. The shadow checks' figures (Observed) are
-# optional metadata, read by 4's readers as none where absent and ignored where not known: no new version.
-VERSION = 4
+# optional metadata, read by 4's readers as none where absent and ignored where not known: no new version. 5: the
+# curves fitted cautious where calibration saw few flips (fit's pseudo_flips), so a 4's plain curves are fitted again.
+VERSION = 5
 LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
 STRICT = 0.03
@@ -60,6 +62,9 @@ MIN_TOKENS = 32  # calibration tokens a fit needs, at least a few of them flips
 # A prior curve whose expected flips at the new samples' margins are more standard deviations than this from the
 # flips counted there is refuted by them, and counts the less the further (fit's prior).
 REFUTED = 3.0
+# Calibration's curves expect this many flips more on their samples than they hold (fit's pseudo_flips): the rule
+# of succession, for a budget whose calibration saw almost none.
+PSEUDO_FLIPS = 1.0
 # Used until a corpus is calibrated: a flip is even odds at margin 0 and 1 in 50 at 2 nats.
 DEFAULT = (0.0, -2.0)
 
@@ -220,7 +225,7 @@ class Guard:
 
 
 def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, budget: float = 0.0,
-        prior: Predictor | None = None) -> Predictor:
+        prior: Predictor | None = None, pseudo_flips: float = 0.0) -> Predictor:
     """Logistic regression of `flipped` on `margins` (Newton's method with step halving, a small ridge towards the
     DEFAULT curve), for requests repaired at `budget`. The step halving keeps a nearly separable sample (a floor
     that flips only where margins are small, say) from overshooting into a curve of huge coefficients.
@@ -231,7 +236,14 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, b
     that expects a number of flips at their margins more than REFUTED standard deviations from the count weighs
     (REFUTED / z)^2 of its tokens (at twice the distance, a quarter), never less than MIN_TOKENS' worth, so a curve
     calibrated elsewhere and wrong here is replaced by what the checks see, where one they agree with only moves.
-    The result counts both's tokens."""
+    The result counts both's tokens.
+
+    With `pseudo_flips`, the fitted curve is raised (its intercept) until it expects that many flips more on the
+    samples than they hold: the rule of succession. A sample with one flip or none otherwise gives a curve that
+    predicts almost none anywhere, and the guard would trust it most where it knows least (Gemma 3 270M's
+    calibration sees 1, 1 and 0 flips in 192 tokens at its three budgets, where held-out questions flip 18, 17 and
+    15 of 480; the plain fits predict 7.8, 9.7 and 0.4 of them, raised by one flip 13.0, 15.6 and 8.5:
+    research/curve_fits.py). Where a sample holds many flips, one more moves the curve little."""
     if len(margins) < MIN_TOKENS:
         raise ValueError(f"a fidelity predictor needs at least {MIN_TOKENS} calibration tokens, got {len(margins)}")
     x = torch.tensor(list(margins), dtype=torch.float64)
@@ -269,7 +281,19 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, b
         w = w - scale * step
         if (scale * step).abs().max() < 1e-9:
             break
+    if pseudo_flips > 0:
+        w[0] += _raise_to(design @ w, weight, float((weight * y).sum()) + pseudo_flips)
     return Predictor(float(w[0]), float(w[1]), tokens, flips, documents, budget)
+
+
+def _raise_to(z: torch.Tensor, weight: torch.Tensor, flips: float) -> float:
+    """How much to add to logits `z` [T] for their (weighted) flip chances to sum to `flips`, by bisection: the sum
+    grows with the shift."""
+    low, high = 0.0, 64.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if float((weight * torch.sigmoid(z + mid)).sum()) < flips else (low, mid)
+    return low
 
 
 def to_bytes(predictor: Predictor, fingerprint: str, routes: str | None = None) -> bytes:

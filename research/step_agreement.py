@@ -81,13 +81,19 @@ def summary(items: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The items and model a probe of held-out tokens runs on (also curve_fits.py's)."""
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--data", default="research/data/multidoc_other.jsonl")
     p.add_argument("--skip", type=int, default=0)
     p.add_argument("--limit", type=int, default=30)
     p.add_argument("--tokens", type=int, default=16)
+    return p
+
+
+def main() -> None:
+    p = arguments()
     p.add_argument("--json", type=Path, required=True)
     args = p.parse_args()
     items = load_items(args.data, limit=args.skip + args.limit)[args.skip:]

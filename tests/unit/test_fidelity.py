@@ -333,6 +333,21 @@ def test_a_nearly_separable_sample_gives_a_steep_curve_not_a_blown_up_one():
     assert curve.flip_chance(0.1) > 0.5 > curve.flip_chance(1.0)
 
 
+def test_a_curve_fitted_on_few_flips_expects_one_more_than_it_saw():
+    """The rule of succession (pseudo_flips): a sample with no flip gives a curve that expects one over the same
+    margins, where the plain fit expects almost none; a sample with many flips is moved by little."""
+    margins = [0.02 * i for i in range(200)]
+    none = [False] * 200
+    plain, cautious = fidelity.fit(margins, none), fidelity.fit(margins, none, pseudo_flips=1.0)
+    assert sum(map(plain.flip_chance, margins)) < 0.2
+    assert sum(map(cautious.flip_chance, margins)) == pytest.approx(1.0, abs=1e-3)
+    assert cautious.slope == plain.slope and cautious.flips == 0
+    many = synthetic_flips()
+    plain, cautious = fidelity.fit(*many), fidelity.fit(*many, pseudo_flips=1.0)
+    assert sum(map(cautious.flip_chance, many[0])) == pytest.approx(sum(many[1]) + 1, abs=1e-3)
+    assert plain.flip_chance(1.0) < cautious.flip_chance(1.0) < 1.1 * plain.flip_chance(1.0)
+
+
 def test_a_prior_curve_counts_as_much_as_the_tokens_it_was_fitted_on():
     """A few new samples from another law, too few to refute it, move a curve fitted on many tokens part of the way;
     a prior fitted on nothing (the default curve, tokens 0) changes nothing."""
