@@ -288,7 +288,7 @@ def fit(margins: Sequence[float], flipped: Sequence[bool], documents: int = 0, b
 
 def _raise_to(z: torch.Tensor, weight: torch.Tensor, flips: float) -> float:
     """How much to add to logits `z` [T] for their (weighted) flip chances to sum to `flips`, by bisection: the sum
-    grows with the shift."""
+    grows with the shift. Hand-written: scipy's root finders are not a dependency, and this runs once per curve."""
     low, high = 0.0, 64.0
     for _ in range(60):
         mid = (low + high) / 2

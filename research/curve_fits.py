@@ -34,11 +34,13 @@ def collect(args) -> dict:
         captured[str(budget)] = {"margin": margins, "flip": flipped}
         return margins, flipped
 
-    calibrate._flips = recording
     items = load_items(args.data, limit=args.skip + args.limit)[args.skip:]
     engine = KVBoost.from_pretrained(args.model, dtype="float32")
-    engine.ingest([d for item in items for d in item.documents])
-    calibrate._flips = flips
+    calibrate._flips = recording
+    try:
+        engine.ingest([d for item in items for d in item.documents])
+    finally:
+        calibrate._flips = flips
     rows = [measure(engine, item, args.tokens) for item in tqdm(items, desc="items")]
     held = {}
     for budget in BUDGETS[1:]:
