@@ -31,7 +31,7 @@ from . import drift, fidelity, models
 from .assembly import APPROX
 from .generation import SamplingParams
 from .prompts import layout as named_layout
-from .repair.guard import escalations
+from .repair.guard import escalations, half_cache
 from .store.files import make_dir, write_atomic
 from .store.tiered import redis_tier
 
@@ -233,7 +233,7 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
             bar.update(1)
         if sums is not None and sums.prompts:
             engine.set_drift(drift.solve(sums))
-        order_flips, dtype_flips = _floor_flips(engine, drawn, prompt_ids, answers, bar)
+        order_flips, dtype_flips, half_steps = _floor_flips(engine, drawn, prompt_ids, answers, bar)
         # Pass 2, with the maps: the default strategy's cache, repaired at each budget, teacher-forced on each
         # full answer; the floors' flips fitted against the same margins.
         curves, margins_at = [], {}
@@ -250,7 +250,11 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
         # The shadow checks' figures stay with the store's curve (shadow.py): they judge the guard in service,
         # whichever curve it ran.
         observed = engine.predictor.observed if engine.predictor is not None else None
-        predictor = dataclasses.replace(curves[0], observed=observed).with_others(curves[1:])
+        # The HALF step's own curve (fidelity.Predictor.half), fitted as measured: its flips are rare everywhere (0
+        # to 2 in 192 calibration tokens), where one pseudo-flip doubles its estimate; the fit's ridge towards the
+        # DEFAULT curve already keeps it off zero (research/half_curve.py, docs/method.md).
+        half = fidelity.fit(*half_steps, len(engine.documents), 1.0) if half_steps[0] else None
+        predictor = dataclasses.replace(curves[0], half=half, observed=observed).with_others(curves[1:])
         _seed_routes(engine, predictor, ladders, margins_at, [len(answer) for answer in answers])
         engine.set_predictor(predictor)  # saved with the routes seeded
         engine.counters["calibrations"] += 1
@@ -281,23 +285,45 @@ def _seed_routes(engine, predictor: fidelity.Predictor, ladders: dict[str, tuple
 
 
 def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], prompt_ids: Sequence[torch.Tensor],
-                 answers: Sequence[list[int]], bar) -> tuple[list[bool], list[bool]]:
+                 answers: Sequence[list[int]], bar) -> tuple[list[bool], list[bool], tuple[list, list]]:
     """The floors' flips at every step of every full answer, in _flips's order: whether a full prefill of the
     documents reversed (the order floor), and one of the model in the other dtype (the dtype floor), choose
-    another token there (teacher-forced, so every step is judged after the same tokens). `prompt_ids`: each
-    prompt's tokens as its full prefill ran them."""
+    another token there (teacher-forced, so every step is judged after the same tokens). And where the engine has
+    a bf16 model for the ladder's HALF step, that step's margins and flips at the same steps (_half_steps; else
+    none). `prompt_ids`: each prompt's tokens as its full prefill ran them."""
     # The bf16 model the ladder's HALF step serves from (repair/guard.py), where the engine has one (float32, bf16
     # native, bf16_step on).
     half = engine.half_adapter()
     other = half.model if half is not None else _other_dtype(engine.adapter.model)
-    order, dtype = [], []
+    order, dtype, half_margins, half_flips = [], [], [], []
     for item, ids, answer in zip(drawn, prompt_ids, answers, strict=True):
         if answer:
             order += _changes(engine.adapter.model, engine.plan(item.reordered, "full").token_ids, answer)
             dtype += _changes(other, ids, answer)
+            if half is not None:
+                margins, flipped = _half_steps(engine, half, ids, answer)
+                half_margins += margins
+                half_flips += flipped
         bar.update(1)
     del other
-    return order, dtype
+    return order, dtype, (half_margins, half_flips)
+
+
+@torch.inference_mode()
+def _half_steps(engine, half, prompt_ids: torch.Tensor, answer: list[int]) -> tuple[list[float], list[bool]]:
+    """What the HALF step serves at each step of `answer`, teacher-forced: its margin and whether its token is not
+    the answer's. Not the dtype floor's flips: the step decodes on in float32 from the bf16 prefill's K/V, which
+    flips fewer of the later tokens than bf16 throughout (fidelity_holdout, SmolLM2, 64 tokens: 21% of its answers
+    differ from full's where a bf16 full prefill's 42% do; a curve fitted on the floor's flips predicted 51%)."""
+    n, adapter = prompt_ids.shape[0], engine.adapter
+    cache, first = half_cache(adapter, half, engine.lock, prompt_ids, n + len(answer))
+    steps = first[None]  # [T, V]: row t chooses answer token t
+    if len(answer) > 1:
+        hidden = adapter.run_layers(adapter.embed(torch.tensor(answer[:-1], dtype=torch.long)),
+                                    torch.arange(n, n + len(answer) - 1), cache, range(adapter.num_layers),
+                                    n + len(answer) - 1)
+        steps = torch.cat([steps, adapter.logits(hidden)])
+    return [fidelity.margin(row) for row in steps], (steps.argmax(-1).cpu() != torch.tensor(answer)).tolist()
 
 
 def _other_dtype(model):

@@ -54,7 +54,8 @@ from .store.files import safetensors_metadata
 # 3: one curve per recompute budget; 4: and the floors' curves at it. The shadow checks' figures (Observed) are
 # optional metadata, read by 4's readers as none where absent and ignored where not known: no new version. 5: the
 # curves fitted cautious where calibration saw few flips (fit's pseudo_flips), so a 4's plain curves are fitted again.
-VERSION = 5
+# 6: and the bf16 prefill's own curve (Predictor.half), which a 5 has not.
+VERSION = 6
 LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
 STRICT = 0.03
@@ -158,6 +159,12 @@ class Predictor:
     others: tuple[Predictor, ...] = ()  # the curves fitted at the other levels' budgets in the same pass
     # The floors' curves at this budget, fitted in the same pass: (order, dtype); None: the levels' fixed targets
     floors: tuple[Predictor, Predictor] | None = None
+    # The curve the ladder's HALF step (a bf16 full prefill, decoded on in float32) is judged by, on the main curve
+    # only: P(its token differs from a float32 full prefill's | its own margin), fitted on what the step serves,
+    # refit by the shadow checks. Not the dtype floor's curve, which holds `strict` to the floor as
+    # measured, at the reused cache's margins: an estimate by it was 10x low on Gemma 3 270M where bf16 changed a
+    # quarter of the answers (docs/method.md). None: uncalibrated, no HALF step.
+    half: Predictor | None = None
     # The shadow checks' figures so far (shadow.py), on the main curve only; None: no check has refit a curve yet
     observed: Observed | None = None
     # The ladder's routes as saved with the curves (repair/routes.py's to_json), read back by from_bytes; None: none.
@@ -176,7 +183,7 @@ class Predictor:
         return below[-1] if below else curves[0]
 
     def with_others(self, others: Sequence[Predictor]) -> Predictor:
-        return replace(self, others=tuple(replace(curve, others=()) for curve in others))
+        return replace(self, others=tuple(replace(curve, others=(), half=None) for curve in others))
 
 
 DEFAULT_PREDICTOR = Predictor(*DEFAULT)
@@ -300,7 +307,8 @@ def to_bytes(predictor: Predictor, fingerprint: str, routes: str | None = None) 
     """The predictor as safetensors, its metadata naming the model (fingerprint) and format version: what
     calibrate.save keeps beside the engine's store (a file, a Redis value). One row per curve, the main one
     first: (budget, intercept, slope, tokens, flips), then the same four for the order and the dtype floor's
-    curves (NaN without floors). The shadow checks' figures, where there are some, as JSON in the metadata
+    curves (NaN without floors); and the bf16 prefill's curve (Predictor.half) as "half": (intercept, slope, tokens,
+    flips), NaN without one. The shadow checks' figures, where there are some, as JSON in the metadata
     ("observed"): a reader of version 4 without them ignores them, and one with them reads a file without as none.
     So with the ladder's routes (`routes`, repair/routes.py's JSON; default: the predictor's own)."""
     meta = {"fingerprint": fingerprint, "version": str(VERSION), "documents": str(predictor.documents)}
@@ -313,7 +321,10 @@ def to_bytes(predictor: Predictor, fingerprint: str, routes: str | None = None) 
         floors = ([v for f in c.floors for v in (f.intercept, f.slope, f.tokens, f.flips)] if c.floors
                   else [math.nan] * 8)
         rows.append([c.budget, c.intercept, c.slope, c.tokens, c.flips, *floors])
-    return safetensors.torch.save({"curves": torch.tensor(rows, dtype=torch.float64)}, metadata=meta)
+    half = predictor.half
+    half_row = [half.intercept, half.slope, half.tokens, half.flips] if half is not None else [math.nan] * 4
+    return safetensors.torch.save({"curves": torch.tensor(rows, dtype=torch.float64),
+                                   "half": torch.tensor(half_row, dtype=torch.float64)}, metadata=meta)
 
 
 def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
@@ -321,14 +332,20 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
     else None: a foreign, old or damaged one is never used."""
     try:
         meta = safetensors_metadata(data)
-        curves = safetensors.torch.load(bytes(data))["curves"]
+        tensors = safetensors.torch.load(bytes(data))
+        curves, half_row = tensors["curves"], tensors["half"]
         documents = int(meta.get("documents", 0))
         observed = Observed.from_json(meta["observed"]) if "observed" in meta else None
     except Exception:  # noqa: BLE001 - safetensors raises its own error type for every kind of damage
         return None
     if (meta.get("fingerprint") != fingerprint or meta.get("version") != str(VERSION) or curves.ndim != 2
-            or curves.shape[0] < 1 or curves.shape[1] != 13 or not torch.isfinite(curves[:, :5]).all()):
+            or curves.shape[0] < 1 or curves.shape[1] != 13 or not torch.isfinite(curves[:, :5]).all()
+            or half_row.shape != (4,) or not (torch.isfinite(half_row).all() or torch.isnan(half_row).all())):
         return None
+    half = None
+    if torch.isfinite(half_row).all():
+        intercept, slope, tokens, flips = half_row.tolist()
+        half = Predictor(intercept, slope, int(tokens), int(flips), documents, 1.0)
     parsed = []
     for row in curves.tolist():
         budget, intercept, slope, tokens, flips, *floor_values = row
@@ -340,4 +357,4 @@ def from_bytes(data: bytes, fingerprint: str) -> Predictor | None:
             return None  # partly there: damaged
         parsed.append(Predictor(intercept, slope, int(tokens), int(flips), documents, budget, floors=floors))
     main, *others = parsed
-    return replace(main, observed=observed, routes=meta.get("routes")).with_others(others)
+    return replace(main, half=half, observed=observed, routes=meta.get("routes")).with_others(others)

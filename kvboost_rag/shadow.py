@@ -2,21 +2,22 @@
 
 Calibration on the corpus (calibrate.py) sees prompts made of documents with no question; what users ask may sit
 elsewhere on the flip curve. So a share of the guarded requests served (EngineConfig.shadow_share, and
-shadow_share_young while the request's curve was fitted on fewer than YOUNG_TOKENS tokens) is checked once its response
-is complete, evenly rather than at random: the first guarded request, then one whenever the share of the requests
-offered since is owed (a random draw at 25% can skip 25 requests in a row: with the engine's old seed it did, and no
-check ran in the first 25 requests of every engine). The check: a full prefill of its prompt and its answer, teacher-
-forced, gives the token a full prefill chooses at every step of the answer. Each judgment the guard made
-(repair/guard.py: a cache's margin before a token, at that cache's budget, trusted or refused) becomes a sample, flipped
-when that cache's greedy token differs from full's. The samples of each budget (the last MAX_SAMPLES) refit that
-budget's curve after every check, once there are fidelity.MIN_TOKENS of them, the curve the engine had before counting
-as much as the tokens it was fitted on (a calibrated curve is moved part of the way by a few checks, not replaced:
-replaced, on a corpus it was calibrated apart from, the curves swung and moved most answers to a full prefill,
-docs/method.md) until the checks refute it (its expected flips REFUTED standard deviations from those counted,
-fidelity.fit), when it counts the less the further: a curve wrong here is then corrected, not held half-way); the
-engine uses the new curves at once and saves them beside the store (KVBoost.set_predictor: the disk tier's folder,
-the Redis tier), so a restarted server or another process on the same Redis starts from them. Only
-requests the guard may move are checked ("fast" answers are not: they asked for no guard).
+shadow_share_young while the request's curve was fitted on fewer than YOUNG_TOKENS tokens) is checked once its
+response is complete, evenly rather than at random: the first guarded request, then one whenever the share of the
+requests offered since is owed (a random draw at 25% can skip 25 requests in a row: with the engine's old seed it did,
+and no check ran in the first 25 requests of every engine). The check: a full prefill of its prompt and its answer,
+teacher-forced, gives the token a full prefill chooses at every step of the answer. Each judgment the guard made
+(repair/guard.py: a cache's margin before a token, at that cache's budget, trusted or refused) becomes a sample,
+flipped when that cache's greedy token differs from full's. The samples of each curve (the last MAX_SAMPLES: a
+budget's, or the bf16 prefill's own, fidelity.Predictor.half, for the ladder's HALF step) refit that curve after every
+check, once there are fidelity.MIN_TOKENS of them, the curve the engine had before counting as much as the tokens it
+was fitted on (a calibrated curve is moved part of the way by a few checks, not replaced: replaced, on a corpus it was
+calibrated apart from, the curves swung and moved most answers to a full prefill, docs/method.md) until the checks
+refute it (its expected flips REFUTED standard deviations from those counted, fidelity.fit), when it counts the less
+the further: a curve wrong here is then corrected, not held half-way); the engine uses the new curves at once and
+saves them beside the store (KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server or
+another process on the same Redis starts from them. Only requests the guard may move are checked ("fast" answers are
+not: they asked for no guard).
 
 Off the critical path: `offer` only queues (a bounded queue: a check offered to a full one is dropped), and one
 background thread runs the checks, layer by layer, each layer only while the engine is idle: no thread holds or
@@ -74,7 +75,8 @@ class Shadow:
         self._thread: threading.Thread | None = None
         self._running = False  # a check is under way
         self._closed = False
-        self.samples: dict[float, collections.deque[tuple[float, bool]]] = {}  # budget -> (margin, flipped)
+        # budget (or guard.HALF: the bf16 prefill's own curve) -> (margin, flipped)
+        self.samples: dict[float | str, collections.deque[tuple[float, bool]]] = {}
         # checks, dropped, answers/answers_differ, predicted_risk (summed), tokens/flips (served tokens),
         # predicted_flips (their summed chances), samples, refits
         self.counters: collections.Counter[str] = collections.Counter()
@@ -84,8 +86,8 @@ class Shadow:
         # Per budget, the curve the engine had before this engine's checks refit it: it counts in every refit as much
         # as the tokens it was fitted on (fidelity.fit's prior), so that a few checks move it only part of the way;
         # and the curve the last refit handed the engine, so that one the corpus calibration fits since is the prior.
-        self._priors: dict[float, fidelity.Predictor] = {}
-        self._handed: dict[float, tuple] = {}
+        self._priors: dict[float | str, fidelity.Predictor] = {}
+        self._handed: dict[float | str, tuple] = {}
         _LIVE.add(self)
 
     def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
@@ -193,26 +195,28 @@ class Shadow:
                              flips=sum(flip for _, flip in served), answers_differ=any(flip for _, flip in served))
         self.predicted_risk += check.risk
         self.predicted_flips += sum(judged.chance for judged, _ in served)
-        # A bf16 prefill's judgments (guard.HALF) are counted above and refit no curve: it is judged by the dtype
-        # floor's, which a check against float32 measures too, but only corpus calibration fits floors.
-        repaired = [(judged, flip) for judged, flip in zip(check.judged, flips, strict=True) if judged.step != HALF]
-        for judged, flip in repaired:
-            self.samples.setdefault(judged.budget, collections.deque(maxlen=MAX_SAMPLES)).append((judged.margin, flip))
+        # Each judgment is a sample of the curve that judged it: its budget's, or a bf16 prefill's own (guard.HALF,
+        # fidelity.Predictor.half). The floors' curves are the corpus calibration's (a check runs no floor).
         engine = self.engine
         predictor = before = engine.predictor or fidelity.DEFAULT_PREDICTOR
+        keys = []
+        for judged, flip in zip(check.judged, flips, strict=True):
+            key = HALF if judged.step == HALF else judged.budget
+            if key == HALF and predictor.half is None:
+                continue  # a curve dropped since (calibrated again): nothing to refit
+            self.samples.setdefault(key, collections.deque(maxlen=MAX_SAMPLES)).append((judged.margin, flip))
+            keys.append(key)
         refitted = False
-        for budget in sorted({judged.budget for judged, _ in repaired}):
-            samples = self.samples[budget]
-            current = predictor.at(budget)
-            # The first check at this budget, or a curve not of our refits (calibrated since): the prior from now on.
-            # (A refit hands over every budget's curve, so a budget first judged later is in _handed, not _priors.)
-            if budget not in self._priors or _fitted(current) != self._handed.get(budget):
-                self._priors[budget] = current
-            prior = self._priors[budget]
+        for key in dict.fromkeys(keys):
+            samples, current = self.samples[key], _curve(predictor, key)
+            # The first check of this curve, or a curve not of our refits (calibrated since): the prior from now on.
+            # (A refit hands over every curve, so a budget first judged later is in _handed, not _priors.)
+            if key not in self._priors or _fitted(current) != self._handed.get(key):
+                self._priors[key] = current
             if len(samples) >= fidelity.MIN_TOKENS:
                 margins, flipped = zip(*samples, strict=True)
-                curve = fidelity.fit(margins, flipped, predictor.documents, budget, prior=prior)
-                predictor = with_curve(predictor, curve)
+                curve = fidelity.fit(margins, flipped, predictor.documents, current.budget, prior=self._priors[key])
+                predictor = dataclasses.replace(predictor, half=curve) if key == HALF else with_curve(predictor, curve)
                 refitted = True
         if refitted:
             # The figures go with the curve: what the engine's curve carried, and this engine's checks since it last
@@ -222,6 +226,8 @@ class Shadow:
             self._saved = now
             engine.set_predictor(dataclasses.replace(predictor, observed=carried))
             self._handed = {curve.budget: _fitted(curve) for curve in (predictor, *predictor.others)}
+            if predictor.half is not None:
+                self._handed[HALF] = _fitted(predictor.half)
             self.counters["refits"] += 1
 
 
@@ -234,6 +240,11 @@ def _close_all() -> None:
     the process down with it (seen at the end of a test run that left engines open)."""
     for shadow in list(_LIVE):
         shadow.close()
+
+
+def _curve(predictor: fidelity.Predictor, key: float | str) -> fidelity.Predictor:
+    """The curve a sample of `key` (a budget, or guard.HALF) refits."""
+    return predictor.half if key == HALF else predictor.at(key)
 
 
 def _fitted(curve: fidelity.Predictor) -> tuple:
@@ -254,5 +265,5 @@ def with_curve(predictor: fidelity.Predictor, curve: fidelity.Predictor) -> fide
     curves = [c for c in (predictor, *predictor.others) if c.budget != curve.budget] + [curve]
     main = curve if curve.budget == predictor.budget else curves[0]
     main = fidelity.Predictor(main.intercept, main.slope, main.tokens, main.flips, predictor.documents, main.budget,
-                              floors=main.floors)
+                              floors=main.floors, half=predictor.half)
     return main.with_others([c for c in curves if c is not main and c.budget != main.budget])

@@ -13,12 +13,10 @@ calibration fits since (fidelity.fit's pseudo_flips); the others were tried besi
 """
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 
 import torch
-from step_agreement import BUDGETS, arguments, measure
+from step_agreement import BUDGETS, measure, probe
 from tqdm import tqdm
 
 from kvboost_rag import KVBoost, calibrate, fidelity
@@ -121,19 +119,7 @@ FITS = {"point": point, "laplace": laplace, "pooled": pooled,
 
 
 def main() -> None:
-    p = arguments()
-    p.add_argument("--json", type=Path, help="where to save the samples")
-    p.add_argument("--score", type=Path, help="score the fits on a saved run instead")
-    args = p.parse_args()
-    if not (args.json or args.score):
-        p.error("give --json (measure) or --score (a saved run)")
-    if args.score:
-        score(json.loads(args.score.read_text()))
-        return
-    found = collect(args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(found))
-    score(found)
+    probe(collect, score)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,24 @@ def arguments() -> argparse.ArgumentParser:
     return p
 
 
+def probe(collect, score) -> None:
+    """A probe's command line (curve_fits.py's, half_curve.py's): measure and save (--json), or score a saved run
+    (--score); `collect(args)` measures, `score(found)` prints the table."""
+    p = arguments()
+    p.add_argument("--json", type=Path, help="where to save the samples")
+    p.add_argument("--score", type=Path, help="score a saved run instead")
+    args = p.parse_args()
+    if not (args.json or args.score):
+        p.error("give --json (measure) or --score (a saved run)")
+    if args.score:
+        score(json.loads(args.score.read_text()))
+        return
+    found = collect(args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(found))
+    score(found)
+
+
 def main() -> None:
     p = arguments()
     p.add_argument("--json", type=Path, required=True)

@@ -21,9 +21,9 @@ trusts each token. Before a token it does not trust, the request climbs:
   2. HALF: where the engine runs in float32 and bf16 runs natively (EngineConfig.bf16_step), a full prefill of the
      prompt and the answer so far in bf16, nothing reused, its K/V kept in float32 to decode from: the cache the
      dtype floor is made of, ~1.6x faster than a float32 one on a CPU with bf16 instructions. It is judged by the
-     dtype floor's curve (fitted with the request's own curve, fidelity.py), so a `strict` answer, held to that
-     very floor, is trusted there unless the tokens before it took their share; a `balanced` one, held to the
-     order floor, all the more. Uncalibrated (no floors), there is no HALF step.
+     bf16 prefill's own curve (fidelity.Predictor.half), so a `strict` answer, held to the dtype floor, is trusted
+     there unless the tokens before it took their share; a `balanced` one, held to the order floor, all the more.
+     Uncalibrated, there is no HALF step.
   3. FULL: a full prefill of the prompt and the answer so far, nothing reused: from there the answer continues
      exactly as a full prefill's would, unguarded.
 
@@ -143,13 +143,10 @@ class Builder:
     def halved(self, answer: Sequence[int] = ()) -> Built:
         """A full prefill of the prompt and `answer` in bf16 (the HALF step; `half()` must not be None), its K/V
         copied into a float32 cache to decode from."""
-        half, token_ids = self.half(), self._and(answer)
-        n = token_ids.shape[0]
+        token_ids = self._and(answer)
         with self.lock:
             started = time.perf_counter()
-            low, logits = exact_cache(half, self.lock, token_ids, n)
-            cache = self.adapter.new_buffers(self.capacity)
-            cache.all_keys[:, :, :, :n], cache.all_values[:, :, :, :n] = low.all_keys, low.all_values
+            cache, logits = half_cache(self.adapter, self.half(), self.lock, token_ids, self.capacity)
             self._timed(HALF, 1.0, started, logits, len(answer))
         return Built(cache, logits, self.plan.num_tokens)
 
@@ -183,6 +180,19 @@ def exact_cache(adapter: ModelAdapter, lock: AbstractContextManager, token_ids: 
         return cache, adapter.logits(hidden[:, -1:])[-1]
 
 
+@torch.inference_mode()
+def half_cache(adapter: ModelAdapter, half: ModelAdapter, lock: AbstractContextManager, token_ids: torch.Tensor,
+               capacity: int) -> tuple[KVBuffers, torch.Tensor]:
+    """The HALF step's cache: a full prefill of `token_ids` [N] by `half` (the model in bf16), its K/V copied into
+    a new cache of `adapter`'s dtype to decode from; and its next-token logits [V]."""
+    n = token_ids.shape[0]
+    with lock:
+        low, logits = exact_cache(half, lock, token_ids, n)
+        cache = adapter.new_buffers(capacity)
+        cache.all_keys[:, :, :, :n], cache.all_values[:, :, :, :n] = low.all_keys, low.all_values
+        return cache, logits
+
+
 def half_adapter(adapter: ModelAdapter) -> ModelAdapter | None:
     """The model in bf16, for the HALF step: None unless the engine runs in float32 and bf16 runs natively where it
     runs (models.native_matmuls): emulated bf16 is several times slower than float32, and from bf16 or float16 the
@@ -206,14 +216,16 @@ class Policy:
 
     @property
     def half_curve(self) -> fidelity.Predictor | None:
-        """What a HALF cache is judged by: the dtype floor's curve at the request's budget (None: uncalibrated)."""
-        floors = self.curve(self.budget).floors
-        return None if floors is None else floors[1]
+        """What a HALF cache is judged by: the bf16 prefill's own curve (fidelity.Predictor.half); None:
+        uncalibrated, or no floors to hold it to."""
+        return self.predictor.half if self.curve(self.budget).floors is not None else None
 
     def judged_by(self, step: str, budget: float) -> tuple[fidelity.Predictor, float | fidelity.Predictor]:
-        """The curve a cache of `step` at `budget` is judged by, and the target it is held to."""
+        """The curve a cache of `step` at `budget` is judged by, and the target it is held to. A HALF cache's
+        tokens are the dtype floor's own, so at `strict`, held to that floor, they are held to themselves: trusted
+        unless the tokens before them took more than their share."""
         if step == HALF:
-            return self.half_curve, self.target
+            return self.half_curve, self.half_curve if self.fidelity == "strict" else self.target
         return self.curve(budget), self.target_at(budget)
 
     def target_at(self, budget: float) -> float | fidelity.Predictor:

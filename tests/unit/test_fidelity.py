@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvboost_rag import drift, fidelity
+from kvboost_rag import drift, fidelity, models
 from kvboost_rag.calibrate import MIN_DOCUMENTS
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
 from kvboost_rag.repair import guard
@@ -286,13 +286,22 @@ def test_a_saved_predictor_keeps_its_floors_and_a_half_written_row_is_refused(tm
     data = fidelity.to_bytes(predictor, "fp")
     back = fidelity.from_bytes(data, "fp")
     assert back.floors[0].intercept == pytest.approx(floors[0].intercept) and back.others[0].floors is None
+    assert back.half is None  # none fitted: none read back
+    half = fidelity.fit(*synthetic_flips(seed=3, intercept=-2.0), documents=40, budget=1.0)
+    back = fidelity.from_bytes(fidelity.to_bytes(replace(predictor, half=half), "fp"), "fp")
+    assert back.half == half and back.others[0].half is None
     import safetensors.torch
 
-    curves = safetensors.torch.load(data)["curves"]
+    meta = {"fingerprint": "fp", "version": str(fidelity.VERSION), "documents": "40"}
+    whole = safetensors.torch.load(fidelity.to_bytes(replace(predictor, half=half), "fp"))
+    assert fidelity.from_bytes(safetensors.torch.save(whole, metadata=meta), "fp") == back  # rebuilt as written
+    curves = whole["curves"].clone()
     curves[0, 7] = float("nan")  # one floor value lost
-    damaged = safetensors.torch.save({"curves": curves}, metadata={"fingerprint": "fp", "version": str(
-        fidelity.VERSION), "documents": "40"})
-    assert fidelity.from_bytes(damaged, "fp") is None
+    assert fidelity.from_bytes(safetensors.torch.save({**whole, "curves": curves}, metadata=meta), "fp") is None
+    row = whole["half"].clone()
+    row[1] = float("nan")  # the bf16 curve's slope lost
+    assert fidelity.from_bytes(safetensors.torch.save({**whole, "half": row}, metadata=meta), "fp") is None
+    assert fidelity.from_bytes(safetensors.torch.save({"curves": whole["curves"]}, metadata=meta), "fp") is None
 
 
 def test_calibration_fits_both_floors_on_questions_and_saves_them(calibrated, make_tiny_engine, tmp_path):
@@ -305,6 +314,7 @@ def test_calibration_fits_both_floors_on_questions_and_saves_them(calibrated, ma
         assert order.flips > dtype.flips
     again = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)), guarded=True)
     assert again.predictor.floors == calibrated.predictor.floors  # read back from the store's folder
+    assert again.predictor.half == calibrated.predictor.half
     drawn = calibration.calibration_set(calibrated, corpus(), 3, 4)
     for item in drawn:  # each prompt asks a question, and its twin holds the same documents reversed
         user, twin = item.prompt[-1]["content"], item.reordered[-1]["content"]
@@ -312,6 +322,43 @@ def test_calibration_fits_both_floors_on_questions_and_saves_them(calibrated, ma
             "Question")[1]
         docs = sorted((d for d in corpus() if d in user), key=user.index)
         assert len(docs) == 4 and sorted(docs, key=twin.index) == docs[::-1]
+
+
+@pytest.mark.skipif(not models.native_matmuls(torch.bfloat16, torch.device("cpu")),
+                    reason="this CPU emulates bf16: the engine has no HALF step to fit a curve for")
+def test_calibration_fits_the_half_steps_own_curve_on_what_it_serves(make_tiny_engine, monkeypatch):
+    """The HALF step's curve: at the same steps as the floors, the margins and flips of what the step serves (a
+    bf16 prefill, decoded on in float32 from its K/V, teacher-forced), fitted as measured (no pseudo-flip); an
+    engine without a bf16 step fits none."""
+    import kvboost_rag.calibrate as calibration
+
+    floor_flips, captured = calibration._floor_flips, []
+    monkeypatch.setattr(calibration, "_floor_flips", lambda *a: captured.append(floor_flips(*a)) or captured[-1])
+    engine = make_tiny_engine(guarded=False)
+    engine.ingest(corpus())
+    predictor = calibration.calibrate(engine, prompts=4, per_prompt=4)
+    (_, dtype_flips, (margins, flips)), = captured
+    half = predictor.half
+    assert half.flips == sum(flips) and half.tokens == len(margins) == len(dtype_flips) == predictor.tokens
+    assert sum(half.flip_chance(m) for m in margins) == pytest.approx(sum(flips), abs=0.2)
+    assert half == fidelity.fit(margins, flips, len(engine.documents), 1.0)
+    # The first step is the bf16 prefill's own; the next are float32's, decoding on from its K/V.
+    prompt = calibration.calibration_set(engine, engine.documents.texts(), 4, 4)[0].prompt
+    ids = engine.plan(prompt, "full").token_ids
+    answer = engine.generate(prompt, strategy="full", max_new_tokens=calibration.TOKENS, write_back=False).token_ids
+    n, adapter = ids.numel(), engine.adapter
+    with torch.inference_mode():
+        low, first = guard.exact_cache(engine.half_adapter(), engine.lock, ids, n)
+        cache = adapter.new_buffers(n + 1)
+        cache.all_keys[:, :, :, :n], cache.all_values[:, :, :, :n] = low.all_keys, low.all_values
+        hidden = adapter.run_layers(adapter.embed(torch.tensor(answer[:1])), torch.arange(n, n + 1), cache,
+                                    range(adapter.num_layers), n + 1)
+    assert low.all_keys.dtype == torch.bfloat16 and cache.all_keys.dtype == torch.float32
+    assert margins[0] == fidelity.margin(first)
+    assert margins[1] == pytest.approx(fidelity.margin(adapter.logits(hidden)[-1]), abs=1e-6)
+    off = make_tiny_engine(EngineConfig(bf16_step=False), guarded=False)
+    off.ingest(corpus())
+    assert calibration.calibrate(off, prompts=4, per_prompt=4).half is None
 
 
 def test_the_calibration_layout_is_checked_and_used(make_tiny_engine):

@@ -200,14 +200,16 @@ native_bf16 = pytest.mark.skipif(not models.native_matmuls(torch.bfloat16, torch
 
 
 def floored(curve: fidelity.Predictor, order: float, dtype: float) -> fidelity.Predictor:
-    """`curve` with floors: the order floor's and the dtype floor's flip chances, constant too."""
-    return dataclasses.replace(curve, floors=(constant(order, curve.budget), constant(dtype, curve.budget)))
+    """`curve` with floors: the order floor's and the dtype floor's flip chances, constant too; and a bf16
+    prefill's own curve (HALF's) the same as the dtype floor's."""
+    return dataclasses.replace(curve, floors=(constant(order, curve.budget), constant(dtype, curve.budget)),
+                               half=constant(dtype, 1.0))
 
 
 @native_bf16
 def test_a_first_token_no_repair_is_trusted_with_is_served_by_a_bf16_full_prefill(engine, prompt):
     """HALF: where no repair is trusted, a full prefill in bf16 (the dtype floor's cache) before one in float32,
-    judged by the dtype floor's curve; its K/V decoded on in float32."""
+    judged by its own curve (fidelity.Predictor.half); its K/V decoded on in float32."""
     engine.predictor = floored(constant(ALWAYS, BALANCED), order=0.5, dtype=NEVER)  # every repair refused
     pre = engine.prefill(prompt, max_new_tokens=TOKENS, write_back=False)
     n = pre.prompt_tokens
@@ -222,9 +224,13 @@ def test_a_first_token_no_repair_is_trusted_with_is_served_by_a_bf16_full_prefil
     assert not torch.equal(pre.logits, engine.prefill(prompt, "full", write_back=False).logits)  # not float32's
     out = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False)
     assert out.served == pre.served and out.exact_from is None and out.token_ids[0] == int(logits.argmax())
-    # Its judgments are counted by the shadow check, and refit no curve (only calibration fits the floors').
+    # Its judgments are the shadow check's samples of the bf16 prefill's own curve, not of a budget's.
     engine.shadow.drain()
     assert engine.shadow.counters["checks"] >= 1 and 1.0 not in engine.shadow.samples
+    assert len(engine.shadow.samples[HALF]) == TOKENS
+    # Without a curve of its own (a predictor with floors and no HALF curve), no HALF step: float32's.
+    engine.predictor = dataclasses.replace(engine.predictor, half=None)
+    assert engine.prefill(prompt, write_back=False).served == (Served(0, FULL, 1.0, n),)
     # Without floors (uncalibrated) there is no curve to judge it by; with bf16_step off, no bf16 model: a
     # full prefill in float32.
     engine.predictor = constant(ALWAYS, BALANCED)

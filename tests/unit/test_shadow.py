@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from kvboost_rag import fidelity, shadow
+from kvboost_rag import fidelity, models, shadow
 from kvboost_rag.cli import store as store_cli
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
-from kvboost_rag.repair.guard import Judged
+from kvboost_rag.repair.guard import HALF, Judged
 from kvboost_rag.shadow import with_curve
 
 TOKENS = 16
@@ -282,3 +282,37 @@ def test_a_budget_first_judged_after_a_refit_is_refit_from_its_own_curve(make_ti
     for budget in (BALANCED, larger):
         assert engine.predictor.at(budget).budget == budget and engine.predictor.at(budget).flip_chance(0.5) > 0.5
     engine.close()
+
+
+@pytest.mark.skipif(not models.native_matmuls(torch.bfloat16, torch.device("cpu")),
+                    reason="this CPU emulates bf16: the ladder has no HALF step here")
+def test_checks_of_bf16_prefills_answers_correct_that_steps_wrong_curve(make_tiny_engine, tmp_path):
+    """A `strict` request no repair serves is served by the bf16 full prefill (guard.HALF), judged by its own curve;
+    here a wrong one, a flip at every other token. The checks' samples of it refit that curve, not a budget's,
+    to the flips they saw, and the curve is saved with the rest."""
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0,
+                                           ladder_costs=False, store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    engine.ingest(corpus())
+    wrong = fidelity.Predictor(0.0, 0.0, budget=1.0)  # 50% at every margin
+    always = fidelity.Predictor(30.0, 0.0, budget=BALANCED)  # no repair trusted
+    never = fidelity.Predictor(-30.0, 0.0, budget=BALANCED)
+    engine.predictor = dataclasses.replace(always, floors=(never, never), half=wrong)
+    strict = RepairConfig(fidelity="strict")
+    checks_needed = math.ceil(fidelity.MIN_TOKENS / TOKENS)
+    served = [engine.generate(p, max_new_tokens=TOKENS, write_back=False, repair=strict)
+              for p in prompts(checks_needed)]
+    assert engine.shadow.drain(timeout=60)
+    assert all(out.served[0].step == HALF and len(out.served) == 1 and out.generated_tokens == TOKENS
+               for out in served)  # the wrong curve's 50% is strict's own floor there: trusted
+    # Its judgments are samples of its own curve (a repair's refused first tokens, of their budgets'), and the
+    # refit curve expects on them the flips the checks counted, where the wrong one expected half of them.
+    samples = engine.shadow.samples[HALF]
+    flips = sum(flip for _, flip in samples)
+    assert len(samples) == checks_needed * TOKENS and flips == engine.shadow.figures()["observed_flips"]
+    half = engine.predictor.half
+    assert half.tokens == len(samples) and half.flips == flips and engine.shadow.figures()["refits"] == 1
+    assert sum(half.flip_chance(m) for m, _ in samples) == pytest.approx(flips, abs=0.5)
+    assert abs(sum(wrong.flip_chance(m) for m, _ in samples) - flips) > 5
+    assert (engine.predictor.intercept, engine.predictor.slope) == (always.intercept, always.slope)  # not refit
+    again = make_tiny_engine(EngineConfig(calibrate=False, store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    assert again.predictor.half == half

@@ -137,9 +137,10 @@ def test_a_fidelity_file_from_before_the_shadow_figures_loads_and_shows_none(mak
     them; damaged ones make the whole file one the engine refuses, and verify with it."""
     engine = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)))
     rows = torch.tensor([[0.07, 0.25, -1.5, 64, 5] + [math.nan] * 8], dtype=torch.float64)
-    old = safetensors.torch.save({"curves": rows}, metadata={"fingerprint": engine.fingerprint,
-                                                             "version": str(fidelity.VERSION), "documents": "10"})
-    engine.fidelity_path.write_bytes(old)  # as the last release wrote it
+    old = safetensors.torch.save({"curves": rows, "half": torch.full((4,), math.nan, dtype=torch.float64)},
+                                 metadata={"fingerprint": engine.fingerprint, "version": str(fidelity.VERSION),
+                                           "documents": "10"})
+    engine.fidelity_path.write_bytes(old)  # as written before any shadow check
     predictor = fidelity.Predictor(0.25, -1.5, tokens=64, flips=5, documents=10, budget=0.07)
     assert fidelity.from_bytes(old, engine.fingerprint) == predictor and predictor.observed is None
     assert make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path))).predictor == predictor
