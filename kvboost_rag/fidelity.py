@@ -54,7 +54,7 @@ from .store.files import safetensors_metadata
 # 3: one curve per recompute budget; 4: and the floors' curves at it. The shadow checks' figures (Observed) are
 # optional metadata, read by 4's readers as none where absent and ignored where not known: no new version. 5: the
 # curves fitted cautious where calibration saw few flips (fit's pseudo_flips), so a 4's plain curves are fitted again.
-# 6: and the bf16 prefill's own curve (Predictor.half), which a 5 has not.
+# 6: and the HALF step's own curve (Predictor.half), which a 5 has not.
 VERSION = 6
 LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's

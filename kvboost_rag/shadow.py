@@ -9,7 +9,7 @@ and no check ran in the first 25 requests of every engine). The check: a full pr
 teacher-forced, gives the token a full prefill chooses at every step of the answer. Each judgment the guard made
 (repair/guard.py: a cache's margin before a token, at that cache's budget, trusted or refused) becomes a sample,
 flipped when that cache's greedy token differs from full's. The samples of each curve (the last MAX_SAMPLES: a
-budget's, or the bf16 prefill's own, fidelity.Predictor.half, for the ladder's HALF step) refit that curve after every
+budget's, or the ladder's HALF step's own, fidelity.Predictor.half) refit that curve after every
 check, once there are fidelity.MIN_TOKENS of them, the curve the engine had before counting as much as the tokens it
 was fitted on (a calibrated curve is moved part of the way by a few checks, not replaced: replaced, on a corpus it was
 calibrated apart from, the curves swung and moved most answers to a full prefill, docs/method.md) until the checks
@@ -75,7 +75,7 @@ class Shadow:
         self._thread: threading.Thread | None = None
         self._running = False  # a check is under way
         self._closed = False
-        # budget (or guard.HALF: the bf16 prefill's own curve) -> (margin, flipped)
+        # budget (or guard.HALF: the HALF step's own curve) -> (margin, flipped)
         self.samples: dict[float | str, collections.deque[tuple[float, bool]]] = {}
         # checks, dropped, answers/answers_differ, predicted_risk (summed), tokens/flips (served tokens),
         # predicted_flips (their summed chances), samples, refits
@@ -83,9 +83,10 @@ class Shadow:
         self.predicted_risk = 0.0
         self.predicted_flips = 0.0
         self._saved = fidelity.Observed()  # `observed()` when a refit last handed the engine a curve (see _learn)
-        # Per budget, the curve the engine had before this engine's checks refit it: it counts in every refit as much
-        # as the tokens it was fitted on (fidelity.fit's prior), so that a few checks move it only part of the way;
-        # and the curve the last refit handed the engine, so that one the corpus calibration fits since is the prior.
+        # Per curve (a budget's, or guard.HALF's), the one the engine had before this engine's checks refit it: it
+        # counts in every refit as much as the tokens it was fitted on (fidelity.fit's prior), so that a few checks
+        # move it only part of the way; and the one the last refit handed the engine, so that one the corpus
+        # calibration fits since is the prior.
         self._priors: dict[float | str, fidelity.Predictor] = {}
         self._handed: dict[float | str, tuple] = {}
         _LIVE.add(self)
@@ -195,7 +196,7 @@ class Shadow:
                              flips=sum(flip for _, flip in served), answers_differ=any(flip for _, flip in served))
         self.predicted_risk += check.risk
         self.predicted_flips += sum(judged.chance for judged, _ in served)
-        # Each judgment is a sample of the curve that judged it: its budget's, or a bf16 prefill's own (guard.HALF,
+        # Each judgment is a sample of the curve that judged it: its budget's, or the HALF step's own (guard.HALF,
         # fidelity.Predictor.half). The floors' curves are the corpus calibration's (a check runs no floor).
         engine = self.engine
         predictor = before = engine.predictor or fidelity.DEFAULT_PREDICTOR

@@ -21,7 +21,7 @@ trusts each token. Before a token it does not trust, the request climbs:
   2. HALF: where the engine runs in float32 and bf16 runs natively (EngineConfig.bf16_step), a full prefill of the
      prompt and the answer so far in bf16, nothing reused, its K/V kept in float32 to decode from: the cache the
      dtype floor is made of, ~1.6x faster than a float32 one on a CPU with bf16 instructions. It is judged by the
-     bf16 prefill's own curve (fidelity.Predictor.half), so a `strict` answer, held to the dtype floor, is trusted
+     step's own curve (fidelity.Predictor.half), so a `strict` answer, held to the dtype floor, is trusted
      there unless the tokens before it took their share; a `balanced` one, held to the order floor, all the more.
      Uncalibrated, there is no HALF step.
   3. FULL: a full prefill of the prompt and the answer so far, nothing reused: from there the answer continues
@@ -216,7 +216,7 @@ class Policy:
 
     @property
     def half_curve(self) -> fidelity.Predictor | None:
-        """What a HALF cache is judged by: the bf16 prefill's own curve (fidelity.Predictor.half); None:
+        """What a HALF cache is judged by: the step's own curve (fidelity.Predictor.half); None:
         uncalibrated, or no floors to hold it to."""
         return self.predictor.half if self.curve(self.budget).floors is not None else None
 

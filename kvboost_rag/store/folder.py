@@ -177,7 +177,7 @@ def check_calibration(kind: str, data: bytes, namespace: str) -> None:
     if not torch.isfinite(curves[:, :5]).all():  # the floors' columns are NaN where a curve has no floors
         raise BadEntryFile("fidelity calibration holds NaN or infinite numbers")
     if fidelity.from_bytes(data, meta["fingerprint"]) is None:  # what else the engine refuses
-        raise BadEntryFile("fidelity calibration the engine refuses (a curve's floors or the bf16 prefill's curve "
+        raise BadEntryFile("fidelity calibration the engine refuses (a curve's floors or the HALF step's curve "
                            "partly missing, or its metadata damaged)")
 
 

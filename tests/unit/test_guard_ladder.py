@@ -259,7 +259,7 @@ def test_a_later_token_no_repair_trusts_moves_to_a_bf16_prefill_of_the_answer_so
     own = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False, repair=fast(BALANCED))
     assert out.served == (Served(0, REPAIR, BALANCED, own.recomputed_tokens), Served(2, HALF, 1.0, out.prompt_tokens))
     assert out.exact_from is None and not out.fell_back and out.token_ids[:2] == own.token_ids[:2]
-    assert out.fidelity_estimate == pytest.approx(1 - 0.95 ** 2)  # a bf16 prefill's tokens risk the dtype floor's
+    assert out.fidelity_estimate == pytest.approx(1 - 0.95 ** 2)  # the HALF step's tokens: its curve's NEVER
     # Token 2 is the bf16 prefill's of the prompt and the first two tokens; later ones decode on in float32.
     ids = torch.cat([engine.plan(prompt, "full").token_ids, torch.tensor(out.token_ids[:2])])
     _, logits = guard.exact_cache(engine.half_adapter(), engine.lock, ids, ids.numel())
