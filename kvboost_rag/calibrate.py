@@ -31,7 +31,7 @@ from . import drift, fidelity, models
 from .assembly import APPROX
 from .generation import SamplingParams
 from .prompts import layout as named_layout
-from .repair.guard import escalations, half_cache
+from .repair.guard import appended, escalations, half_cache
 from .store.files import make_dir, write_atomic
 from .store.tiered import redis_tier
 
@@ -319,10 +319,8 @@ def _half_steps(engine, half, prompt_ids: torch.Tensor, answer: list[int]) -> tu
     cache, first = half_cache(adapter, half, engine.lock, prompt_ids, n + len(answer))
     steps = first[None]  # [T, V]: row t chooses answer token t
     if len(answer) > 1:
-        hidden = adapter.run_layers(adapter.embed(torch.tensor(answer[:-1], dtype=torch.long)),
-                                    torch.arange(n, n + len(answer) - 1), cache, range(adapter.num_layers),
-                                    n + len(answer) - 1)
-        steps = torch.cat([steps, adapter.logits(hidden)])
+        with engine.lock:
+            steps = torch.cat([steps, adapter.logits(appended(adapter, cache, n, answer[:-1]))])
     return [fidelity.margin(row) for row in steps], (steps.argmax(-1).cpu() != torch.tensor(answer)).tolist()
 
 

@@ -423,12 +423,8 @@ class KVBoost:
         """Teacher-forced: logits after each of `token_ids` appended to the prompt. [T, V] fp32.
 
         Needs the prefill made with max_new_tokens >= len(token_ids)."""
-        n, t = pre.prompt_tokens, len(token_ids)
-        positions = torch.arange(n, n + t)
         with self.lock:
-            hidden = self.adapter.run_layers(self.adapter.embed(torch.tensor(list(token_ids))), positions,
-                                             pre.cache, range(self.adapter.num_layers), n + t)
-            return self.adapter.logits(hidden)
+            return self.adapter.logits(guard.appended(self.adapter, pre.cache, pre.prompt_tokens, token_ids))
 
     def stream(self, prompt: str | Messages, *, max_new_tokens: int = 64, strategy: str = "cacheblend",
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (),

@@ -163,10 +163,7 @@ class Builder:
 
     def _append(self, cache: KVBuffers, answer: Sequence[int]) -> torch.Tensor:
         """Run `answer` [T] through every layer after the prompt, writing its K/V: the last one's output [1, 1, H]."""
-        n, t = self.plan.num_tokens, len(answer)
-        hidden = self.adapter.run_layers(self.adapter.embed(torch.tensor(list(answer), dtype=torch.long)),
-                                         torch.arange(n, n + t), cache, range(self.adapter.num_layers), n + t)
-        return hidden[:, -1:]
+        return appended(self.adapter, cache, self.plan.num_tokens, answer)[:, -1:]
 
 
 @torch.inference_mode()
@@ -178,6 +175,14 @@ def exact_cache(adapter: ModelAdapter, lock: AbstractContextManager, token_ids: 
         cache = adapter.new_buffers(capacity)
         hidden = adapter.run_layers(adapter.embed(token_ids), torch.arange(n), cache, range(adapter.num_layers), n)
         return cache, adapter.logits(hidden[:, -1:])[-1]
+
+
+def appended(adapter: ModelAdapter, cache: KVBuffers, n: int, token_ids: Sequence[int]) -> torch.Tensor:
+    """Run `token_ids` [T] through every layer after the `n` tokens `cache` holds, writing their K/V: their outputs
+    [1, T, H]. The caller holds the engine's lock."""
+    t = len(token_ids)
+    return adapter.run_layers(adapter.embed(torch.tensor(list(token_ids), dtype=torch.long)), torch.arange(n, n + t),
+                              cache, range(adapter.num_layers), n + t)
 
 
 @torch.inference_mode()
