@@ -45,7 +45,7 @@ def _pairs_halves(rotate_half, r: int) -> bool:
 @dataclass(frozen=True)
 class Masks:
     """Attention masks, one per kind of layer (architectures.FULL, SLIDING): additive [1, 1, Q, K] tensors, causal
-    masks described (attention.CausalRows, on the CPU where no window cuts in), or None where the kernel's own
+    masks described (attention.CausalRows, on the CPU), or None where the kernel's own
     causal masking is exactly right (see ModelAdapter.run_layers)."""
 
     by_kind: dict[str, torch.Tensor | CausalRows | None]
@@ -206,15 +206,18 @@ class ModelAdapter:
         """Each query (at `positions` [Q]) sees the cache up to its own position, and in a sliding layer only the
         last `window` of those, as the model's own masks do: [1, 1, Q, attend_len] per kind of layer.
 
-        Additive float masks (sdpa's CPU kernels run them faster than boolean ones), or on the CPU, where no window
-        cuts in, the mask described (attention.py splits it into pieces that need none)."""
+        Additive float masks (sdpa's CPU kernels run them faster than boolean ones), or on the CPU the mask described
+        (attention.py splits it into pieces that need none, or in a sliding layer a mask over the window's edge)."""
         return Masks({kind: self._mask(positions, attend_len, dtype, window) for kind, window in self.windows.items()})
 
     def _mask(self, positions: torch.Tensor, attend_len: int, dtype: torch.dtype, window: int | None,
               dense: bool = False) -> torch.Tensor | CausalRows:
+        cuts_in = window is not None and attend_len > window
+        # A single query where a window cuts in (a decode step) keeps its dense row, which a 16-bit decode step
+        # runs without the flash kernel (architectures._sdpa_gqa_masked).
         if (not dense and self.attention == arch.GQA_SDPA and self.device.type == "cpu"
-                and (window is None or attend_len <= window)):
-            return CausalRows(positions.cpu(), attend_len)
+                and not (cuts_in and positions.shape[0] == 1)):
+            return CausalRows(positions.cpu(), attend_len, window if cuts_in else None)
         positions = positions.to(self.device)[:, None]  # [Q, 1]
         cached = torch.arange(attend_len, device=self.device)[None, :]  # [1, K]
         visible = cached <= positions

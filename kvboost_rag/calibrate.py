@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import drift, fidelity, models
+from .adapter import ModelAdapter
 from .assembly import APPROX
 from .generation import SamplingParams
 from .prompts import layout as named_layout
@@ -294,12 +295,12 @@ def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], prompt_ids: Sequenc
     # The bf16 model the ladder's HALF step serves from (repair/guard.py), where the engine has one (float32, bf16
     # native, bf16_step on).
     half = engine.half_adapter()
-    other = half.model if half is not None else _other_dtype(engine.adapter.model)
+    other = half if half is not None else ModelAdapter(_other_dtype(engine.adapter.model))
     order, dtype, half_margins, half_flips = [], [], [], []
     for item, ids, answer in zip(drawn, prompt_ids, answers, strict=True):
         if answer:
-            order += _changes(engine.adapter.model, engine.plan(item.reordered, "full").token_ids, answer)
-            dtype += _changes(other, ids, answer)
+            order += _changes(_forced(engine.adapter, engine.plan(item.reordered, "full").token_ids, answer), answer)
+            dtype += _changes(_forced(other, ids, answer), answer)
             if half is not None:
                 margins, flipped = _half_steps(engine, half, ids, answer)
                 half_margins += margins
@@ -310,34 +311,41 @@ def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], prompt_ids: Sequenc
 
 
 @torch.inference_mode()
+def _forced(adapter: ModelAdapter, prompt_ids: torch.Tensor, answer: list[int]) -> torch.Tensor:
+    """A full prefill of the prompt and the answer but its last token by `adapter`: its next-token logits [T, V] at
+    each step of `answer` (row t chooses answer token t). Only those rows go through the LM head: over every
+    position (the model's own forward), Gemma 3's 262k-token head cost as much as the layers."""
+    n, ids = prompt_ids.shape[0], prompt_ids.tolist() + list(answer[:-1])
+    return adapter.logits(appended(adapter, adapter.new_buffers(len(ids)), 0, ids)[:, n - 1:])
+
+
+def _changes(logits: torch.Tensor, answer: list[int]) -> list[bool]:
+    """At each step of `answer`, whether `logits` [T, V] pick another token."""
+    return (logits.argmax(-1).cpu() != torch.tensor(answer)).tolist()
+
+
+@torch.inference_mode()
 def _half_steps(engine, half, prompt_ids: torch.Tensor, answer: list[int]) -> tuple[list[float], list[bool]]:
     """What the HALF step serves at each step of `answer`, teacher-forced: its margin and whether its token is not
     the answer's. Not the dtype floor's flips: the step decodes on in float32 from the bf16 prefill's K/V, which
     flips fewer of the later tokens than bf16 throughout (fidelity_holdout, SmolLM2, 64 tokens: 21% of its answers
-    differ from full's where a bf16 full prefill's 42% do; a curve fitted on the floor's flips predicted 51%)."""
+    differ from full's where a bf16 full prefill's 42% do; a curve fitted on the floor's flips predicted 51%). Its
+    own prefill of the prompt, not the dtype floor's of the prompt and the answer: the same K/V in exact arithmetic,
+    but the step's curve rests on 0-2 flips in 192 tokens, which bf16 rounding moves (Gemma fidelity_holdout 49-72:
+    from the floor's prefill, 0.015 predicted against 0.083 observed; docs/method.md)."""
     n, adapter = prompt_ids.shape[0], engine.adapter
     cache, first = half_cache(adapter, half, engine.lock, prompt_ids, n + len(answer))
     steps = first[None]  # [T, V]: row t chooses answer token t
     if len(answer) > 1:
         with engine.lock:
             steps = torch.cat([steps, adapter.logits(appended(adapter, cache, n, answer[:-1]))])
-    return [fidelity.margin(row) for row in steps], (steps.argmax(-1).cpu() != torch.tensor(answer)).tolist()
+    return [fidelity.margin(row) for row in steps], _changes(steps, answer)
 
 
 def _other_dtype(model):
     """The model in the dtype users compare ours with: bf16 for a float32 engine, float32 for the others."""
     target = torch.bfloat16 if next(model.parameters()).dtype == torch.float32 else torch.float32
     return models.in_dtype(model, target)
-
-
-@torch.inference_mode()
-def _changes(model, prompt_ids: torch.Tensor, answer: list[int]) -> list[bool]:
-    """At each step of `answer`, whether `model`'s own forward over the prompt and the answer so far picks
-    another token; one forward."""
-    device = next(model.parameters()).device
-    ids = torch.cat([prompt_ids, torch.tensor(answer[:-1], dtype=torch.long)]).to(device)
-    logits = model(input_ids=ids[None], use_cache=False).logits[0, prompt_ids.shape[0] - 1:]
-    return (logits.argmax(-1).cpu() != torch.tensor(answer)).tolist()
 
 
 def _flips(engine, prompts: Sequence, answers: Sequence[list[int]], budget: float, bar) -> tuple[list, list]:

@@ -1,4 +1,5 @@
-"""attention.py's causal pieces against one dense mask: the same attention, on every layout of queries."""
+"""attention.py's causal pieces against one dense mask: the same attention, on every layout of queries, with and
+without a sliding window."""
 
 import pytest
 import torch
@@ -25,13 +26,14 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_causal_pieces_equal_one_dense_mask(layout, batch):
+@pytest.mark.parametrize("window", [None, 40, 150])  # sliding layers: windows that cut in, shorter than a band or not
+def test_causal_pieces_equal_one_dense_mask(layout, batch, window):
     torch.manual_seed(0)
-    k = 1400 if layout == "many scattered, in groups" else 200
+    k = 1400 if layout == "many scattered, in groups" else 200 if window is None else 400
     positions = LAYOUTS[layout](k)
     query = torch.randn(batch, 6, positions.numel(), 16)
     key, value = torch.randn(batch, 2, k, 16), torch.randn(batch, 2, k, 16)
-    mask = CausalRows(positions, k)
+    mask = CausalRows(positions, k, window)
     got = causal_attention(query, key, value, mask, 0.3)
     want = dense_attention(query, key, value, mask, 0.3)
     assert got.shape == want.shape == (batch, positions.numel(), 6, 16)
@@ -46,6 +48,14 @@ def test_a_wrong_merge_is_caught():
     own_only = dense_attention(query, key[:, :, 30:], value[:, :, 30:], CausalRows(positions - 30, 170), 0.3)
     got = causal_attention(query, key, value, CausalRows(positions, 200), 0.3)
     assert (got - own_only).abs().max() > 0.1
+
+
+def test_a_window_left_out_is_caught():
+    """The windowed check can fail: the bands attending to every earlier key (no window) is far off."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 6, 400, 16), torch.randn(1, 2, 400, 16), torch.randn(1, 2, 400, 16)
+    windowed = causal_attention(query, key, value, CausalRows(torch.arange(400), 400, 40), 0.3)
+    assert (windowed - dense_attention(query, key, value, CausalRows(torch.arange(400), 400), 0.3)).abs().max() > 0.1
 
 
 def test_bf16_stays_within_bf16_rounding():
@@ -64,7 +74,7 @@ def test_runs_finds_maximal_consecutive_runs():
     assert runs([]) == []
 
 
-def test_the_adapter_describes_cpu_masks_and_keeps_dense_ones_where_a_window_cuts_in():
+def test_the_adapter_describes_cpu_masks_windows_included():
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     from kvboost_rag.adapter import ModelAdapter
@@ -78,7 +88,10 @@ def test_the_adapter_describes_cpu_masks_and_keeps_dense_ones_where_a_window_cut
     sliding = ModelAdapter(MistralForCausalLM(MistralConfig(**sizes, sliding_window=8)))
     (cut,) = sliding.causal_mask(torch.arange(5, 20), 20, torch.float32).by_kind.values()
     (within,) = sliding.causal_mask(torch.arange(2, 6), 6, torch.float32).by_kind.values()
-    assert isinstance(cut, torch.Tensor) and cut.shape == (1, 1, 15, 20) and isinstance(within, CausalRows)
+    (step,) = sliding.causal_mask(torch.tensor([19]), 20, torch.float32).by_kind.values()
+    assert isinstance(cut, CausalRows) and cut.window == 8 and isinstance(within, CausalRows) and within.window is None
+    # A decode step's one query keeps a dense row (a 16-bit step runs it without the flash kernel).
+    assert isinstance(step, torch.Tensor) and step.shape == (1, 1, 1, 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

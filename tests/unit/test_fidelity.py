@@ -353,6 +353,9 @@ def test_calibration_fits_the_half_steps_own_curve_on_what_it_serves(make_tiny_e
         cache.all_keys[:, :, :, :n], cache.all_values[:, :, :, :n] = low.all_keys, low.all_values
         hidden = adapter.run_layers(adapter.embed(torch.tensor(answer[:1])), torch.arange(n, n + 1), cache,
                                     range(adapter.num_layers), n + 1)
+        # The floors' forwards take the rows of the answer's steps only: the model's own forward's, in float32.
+        own = adapter.model(input_ids=torch.tensor(ids.tolist() + list(answer[:-1]))[None]).logits[0, n - 1:]
+        assert (calibration._forced(adapter, ids, answer) - own).abs().max() < 1e-3
     assert low.all_keys.dtype == torch.bfloat16 and cache.all_keys.dtype == torch.float32
     assert margins[0] == fidelity.margin(first)
     assert margins[1] == pytest.approx(fidelity.margin(adapter.logits(hidden)[-1]), abs=1e-6)
