@@ -80,16 +80,19 @@ class CausalRows:
             masks[dtype, device] = CausalRows(self.positions, int(self.positions[-1]) + 1).dense(dtype, device)
         return masks[dtype, device]
 
-    def band(self, r0: int, r1: int, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Rows r0 .. r1 - 1 of a sliding layer's mask over the keys from the window's start for the first to the
-        last one's own position, additive, the `groups` query heads that share a K/V head folded in as rows
-        (attention._fold): [1, 1, groups * (r1 - r0), keys]. Built once for all the layers that take it."""
+    def band(self, r0: int, r1: int, groups: int, dtype: torch.dtype, device: torch.device
+             ) -> tuple[int, int, torch.Tensor]:
+        """Rows r0 .. r1 - 1 of a sliding layer's mask: the keys low .. end - 1 they see (from the window's start
+        for the first to the last one's own position), and the mask over those, additive, the `groups` query heads
+        that share a K/V head folded in as rows (attention._fold): [1, 1, groups * (r1 - r0), end - low]. Built once
+        for all the layers that take it."""
         masks = self.__dict__.setdefault("_bands", {})  # cached_property's way: frozen, not immutable
         if (r0, r1, groups, dtype, device) not in masks:
             positions = self.positions[r0:r1]
-            low = max(int(positions[0]) - self.window + 1, 0)
-            rows = CausalRows(positions - low, int(positions[-1]) + 1 - low, self.window).dense(dtype, device)
-            masks[r0, r1, groups, dtype, device] = rows.expand(1, groups, r1 - r0, -1).reshape(1, 1, -1, rows.shape[-1])
+            low, end = max(int(positions[0]) - self.window + 1, 0), int(positions[-1]) + 1
+            rows = CausalRows(positions - low, end - low, self.window).dense(dtype, device)
+            masks[r0, r1, groups, dtype, device] = low, end, rows.expand(1, groups, r1 - r0, -1).reshape(
+                1, 1, -1, end - low)
         return masks[r0, r1, groups, dtype, device]
 
     def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -156,9 +159,9 @@ def _windowed(query, key, value, mask: CausalRows, scale: float | None) -> torch
     out = query.new_empty(b, heads, rows, dim)
     for r0 in range(0, rows, BAND_ROWS):
         r1 = min(r0 + BAND_ROWS, rows)
-        low, end = max(int(mask.positions[r0]) - mask.window + 1, 0), int(mask.positions[r1 - 1]) + 1
+        low, end, seen = mask.band(r0, r1, heads // kv_heads, query.dtype, query.device)
         band, _ = _flash(_fold(query[:, :, r0:r1], kv_heads), key[:, :, low:end], value[:, :, low:end], False, scale,
-                         mask.band(r0, r1, heads // kv_heads, query.dtype, query.device))
+                         seen)
         out[:, :, r0:r1] = band.reshape(b, heads, r1 - r0, dim)
     return out
 

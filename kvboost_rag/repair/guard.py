@@ -170,18 +170,16 @@ class Builder:
 def exact_cache(adapter: ModelAdapter, lock: AbstractContextManager, token_ids: torch.Tensor,
                 capacity: int) -> tuple[KVBuffers, torch.Tensor]:
     """A full prefill of `token_ids` [N] into a new cache: (the cache, the next-token logits [V])."""
-    n = token_ids.shape[0]
     with lock:
         cache = adapter.new_buffers(capacity)
-        hidden = adapter.run_layers(adapter.embed(token_ids), torch.arange(n), cache, range(adapter.num_layers), n)
-        return cache, adapter.logits(hidden[:, -1:])[-1]
+        return cache, adapter.logits(appended(adapter, cache, 0, token_ids)[:, -1:])[-1]
 
 
-def appended(adapter: ModelAdapter, cache: KVBuffers, n: int, token_ids: Sequence[int]) -> torch.Tensor:
-    """Run `token_ids` [T] through every layer after the `n` tokens `cache` holds, writing their K/V: their outputs
-    [1, T, H]. The caller holds the engine's lock."""
+def appended(adapter: ModelAdapter, cache: KVBuffers, n: int, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Run `token_ids` [T] through every layer after the `n` tokens `cache` holds (0: a full prefill), writing their
+    K/V: their outputs [1, T, H]. The caller holds the engine's lock."""
     t = len(token_ids)
-    return adapter.run_layers(adapter.embed(torch.tensor(list(token_ids), dtype=torch.long)), torch.arange(n, n + t),
+    return adapter.run_layers(adapter.embed(torch.as_tensor(token_ids, dtype=torch.long)), torch.arange(n, n + t),
                               cache, range(adapter.num_layers), n + t)
 
 
