@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,9 @@ class Plan:
     token_ids: torch.Tensor  # [N] long
     chunks: list[PlannedChunk] = field(default_factory=list)
     document_tokens: int = 0  # the own tokens of the ingested documents found in the prompt's text
+    # The prompt's text: fixed text and the documents used, in order (TokenizedPrompt.segments); what a shadow check
+    # lays out again in another order for the order floor (shadow.py)
+    segments: list[str | Document] = field(default_factory=list)
 
     @property
     def document_tokens_reused(self) -> int:
@@ -224,7 +228,8 @@ def segments_text(segments: list[str | Document]) -> str:
 
 def plan(chunks: list[tuple[tuple[int, ...], bool]], fingerprint: str, store: KVStore | None,
          use_exact: bool, use_approx: bool,
-         sources: dict[int, tuple[tuple[int, ...], int]] | None = None, document_tokens: int = 0) -> Plan:
+         sources: dict[int, tuple[tuple[int, ...], int]] | None = None, document_tokens: int = 0,
+         segments: Sequence[str | Document] = ()) -> Plan:
     """Where each chunk's KV comes from. `sources` (TokenizedPrompt.sources): a document piece cut at a seam is
     looked up through the whole stored chunk it is part of, and served as that entry's slice."""
     keys = keyring.chain(fingerprint, [tokens for tokens, _ in chunks])
@@ -243,7 +248,7 @@ def plan(chunks: list[tuple[tuple[int, ...], bool]], fingerprint: str, store: KV
         planned.append(chunk)
         position += len(tokens)
     ids = torch.tensor([t for tokens, _ in chunks for t in tokens], dtype=torch.long)
-    return Plan(ids, planned, document_tokens)
+    return Plan(ids, planned, document_tokens, list(segments))
 
 
 def _stored_piece(store: KVStore, fingerprint: str, tokens: tuple[int, ...], content_key: bytes,

@@ -353,7 +353,7 @@ class KVBoost:
             raise ValueError("empty prompt: give some text to answer")
         matching.warn_lost(tokenized.matches, tokenized.prompt_ids, self.tokenizer, self._warned_lost)
         return plan(tokenized.chunks, self.fingerprint, self.store, reuses.reuse_exact, reuses.reuse_content,
-                    tokenized.sources, tokenized.document_tokens)
+                    tokenized.sources, tokenized.document_tokens, tokenized.segments)
 
     @torch.inference_mode()
     def prefill(self, prompt: str | Messages, strategy: str = "cacheblend", *, max_new_tokens: int = 0,
@@ -477,7 +477,8 @@ class KVBoost:
         tail = text.flush()
         if pre.policy is not None and pre.policy.acts:  # queued only; run once the engine is idle (shadow.py)
             self.shadow.offer(shadow.Check(pre.plan.token_ids, tuple(text.token_ids),
-                                           pre.judged if watch is None else tuple(watch.judged), risk), pre.curve)
+                                           pre.judged if watch is None else tuple(watch.judged), risk,
+                                           tuple(pre.plan.segments)), pre.curve)
         result = Generation(
             text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=pre.strategy,
             ttft_ms=pre.ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,

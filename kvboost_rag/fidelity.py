@@ -23,15 +23,16 @@ sent, so a request that starts unsure pays for the steps it tried in its TTFT; a
 TTFT. Served answers are also checked against a full prefill in the background, refitting the curves on what
 users ask (shadow.py).
 
-Levels are held to floors users already accept (issue 41), measured on the calibration prompts: "balanced" lets
-an answer differ from a full prefill's no more often than a full prefill of the same documents in another order
-does (the order floor), "strict" no more often than a full prefill in the other dtype (bf16 against float32: the
-dtype floor). Each floor is a curve too, P(the floor's token differs | margin), fitted on the same steps (the
-floor's flips against the reused cache's margins at that budget): a request is trusted while its risk stays within
-the risk the floor would run over the very same tokens. So an answer through unsure tokens, which any other
-order would change as well, is not moved for being unsure, and a long one not for being long. "fast" has no
-guard; a number in (0, 1) is a fixed risk per answer; without floors (no calibration yet) the levels fall back to
-BALANCED and STRICT per answer, and the model's DEFAULT curve serves, a conservative one.
+Levels are held to floors users already accept (issue 41), measured on the calibration prompts (and refit on served
+requests by the shadow checks, shadow.py): "balanced" lets an answer differ from a full prefill's no more often
+than a full prefill of the same documents in another order does (the order floor), "strict" no more often than a
+full prefill in the other dtype (bf16 against float32: the dtype floor). Each floor is a curve too, P(the floor's
+token differs | margin), fitted on the same steps (the floor's flips against the reused cache's margins at that
+budget): a request is trusted while its risk stays within the risk the floor would run over the very same tokens.
+So an answer through unsure tokens, which any other order would change as well, is not moved for being unsure, and
+a long one not for being long. "fast" has no guard; a number in (0, 1) is a fixed risk per answer; without floors
+(no calibration yet) the levels fall back to BALANCED and STRICT per answer, and the model's DEFAULT curve serves,
+a conservative one.
 
 Predicted against observed (`Observed`): the shadow checks' figures (the answers' summed risks against those that
 differed from a full prefill's; the served tokens' summed flip chances against the flips) are kept with the curve

@@ -2,22 +2,27 @@
 
 Calibration on the corpus (calibrate.py) sees prompts made of documents with no question; what users ask may sit
 elsewhere on the flip curve. So a share of the guarded requests served (EngineConfig.shadow_share, and
-shadow_share_young while the request's curve was fitted on fewer than YOUNG_TOKENS tokens) is checked once its
-response is complete, evenly rather than at random: the first guarded request, then one whenever the share of the
-requests offered since is owed (a random draw at 25% can skip 25 requests in a row: with the engine's old seed it did,
-and no check ran in the first 25 requests of every engine). The check: a full prefill of its prompt and its answer,
+shadow_share_young while the request's curve was fitted on fewer than YOUNG_TOKENS tokens) is checked once its response
+is complete, evenly rather than at random: the first guarded request, then one whenever the share of the requests
+offered since is owed (a random draw at 25% can skip 25 requests in a row: with the engine's old seed it did, and no
+check ran in the first 25 requests of every engine). The check: a full prefill of its prompt and its answer,
 teacher-forced, gives the token a full prefill chooses at every step of the answer. Each judgment the guard made
-(repair/guard.py: a cache's margin before a token, at that cache's budget, trusted or refused) becomes a sample,
-flipped when that cache's greedy token differs from full's. The samples of each curve (the last MAX_SAMPLES: a
-budget's, or the ladder's HALF step's own, fidelity.Predictor.half) refit that curve after every
-check, once there are fidelity.MIN_TOKENS of them, the curve the engine had before counting as much as the tokens it
-was fitted on (a calibrated curve is moved part of the way by a few checks, not replaced: replaced, on a corpus it was
-calibrated apart from, the curves swung and moved most answers to a full prefill, docs/method.md) until the checks
-refute it (its expected flips REFUTED standard deviations from those counted, fidelity.fit), when it counts the less
-the further: a curve wrong here is then corrected, not held half-way); the engine uses the new curves at once and
-saves them beside the store (KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server or
-another process on the same Redis starts from them. Only requests the guard may move are checked ("fast" answers are
-not: they asked for no guard).
+(repair/guard.py: a cache's margin before a token, at that cache's budget, trusted or refused) becomes a sample, flipped
+when that cache's greedy token differs from full's. The floors the levels are held to are measured on what users ask
+too: where the request's curve has floors, the check also runs, teacher-forced along the same answer, a full prefill of
+the documents in reverse order (the order floor) and one in bf16 (the dtype floor, where the engine has the HALF step's
+bf16 model), and a repaired cache's judgment is a sample of each floor's curve at its budget, flipped where the floor's
+token differs from full's (so a set where another order changes answers more than calibration's did loosens `balanced`
+there, and one where it changes them less tightens it). The samples of each curve (the last MAX_SAMPLES: a budget's, its
+floors', or the ladder's HALF step's own, fidelity.Predictor.half) refit that curve after every check, once there are
+fidelity.MIN_TOKENS of them, the curve the engine had before counting as much as the tokens it was fitted on (a
+calibrated curve is moved part of the way by a few checks, not replaced: replaced, on a corpus it was calibrated apart
+from, the curves swung and moved most answers to a full prefill, docs/method.md) until the checks refute it (its
+expected flips REFUTED standard deviations from those counted, fidelity.fit), when it counts the less the further: a
+curve wrong here is then corrected, not held half-way); the engine uses the new curves at once and saves them beside the
+store (KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server or another process on the
+same Redis starts from them. Only requests the guard may move are checked ("fast" answers are not: they asked for no
+guard).
 
 Off the critical path: `offer` only queues (a bounded queue: a check offered to a full one is dropped), and one
 background thread runs the checks, layer by layer, each layer only while the engine is idle: no thread holds or
@@ -47,6 +52,7 @@ import torch
 from . import fidelity
 from .repair.guard import HALF, Judged
 
+FLOORS = ("order", "dtype")  # fidelity.Predictor.floors' order
 YOUNG_TOKENS = 512  # a curve fitted on fewer tokens is checked more: four corpus calibrations' worth (8 x 16 each)
 MAX_SAMPLES = 4096  # samples kept per budget: the newest, so the curve follows what is asked now
 IDLE_POLL_S = 0.005  # how often a waiting check looks whether the engine is idle
@@ -61,6 +67,7 @@ class Check:
     answer: tuple[int, ...]  # [T] the tokens sent
     judged: tuple[Judged, ...]
     risk: float  # the predicted chance the answer differs from a full prefill's (fidelity_estimate)
+    segments: tuple = ()  # the prompt's text, fixed and documents (Plan.segments): the order floor reverses them
 
 
 class Shadow:
@@ -152,7 +159,7 @@ class Shadow:
                     return
                 check, self._running = self._queue.popleft(), True
             try:
-                self._learn(check, self._full_tops(check))
+                self._learn(check, *self._tops(check))
             except _Closed:
                 pass
             except Exception as e:  # noqa: BLE001 - a failed check (a full disk, say) must not end the checks
@@ -172,13 +179,30 @@ class Shadow:
             time.sleep(IDLE_POLL_S)
         return engine.lock
 
+    def _tops(self, check: Check) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Full's greedy tokens along the answer (_forced), and where the request's curve has floors to refit,
+        the floors' along the same answer: a full prefill of the documents in reverse order ("order", where the
+        prompt has two or more), and one in bf16 ("dtype", where the engine has the HALF step's bf16 model; the
+        calibration's float32 copy of a bf16 engine is not kept for the checks)."""
+        engine = self.engine
+        full = self._forced(engine.adapter, check.prompt_ids, check.answer)
+        floors = {}
+        if any(_curve(engine.predictor or fidelity.DEFAULT_PREDICTOR, j.budget).floors is not None
+               for j in check.judged if j.step != HALF):
+            if (reordered := _reordered(engine, check.segments)) is not None:
+                floors["order"] = self._forced(engine.adapter, reordered, check.answer)
+            with self._idle_lock():  # made on first use: not while a request may be making it
+                half = engine.half_adapter()
+            if half is not None:
+                floors["dtype"] = self._forced(half, check.prompt_ids, check.answer)
+        return full, floors
+
     @torch.inference_mode()
-    def _full_tops(self, check: Check) -> torch.Tensor:
-        """A full prefill of the prompt and the answer, one layer at a time, each while the engine is idle: full's
-        greedy token before each answer token and after the last. [T + 1]"""
-        adapter = self.engine.adapter
-        ids = torch.cat([check.prompt_ids, torch.tensor(check.answer, dtype=torch.long)])  # [N + T]
-        n, total = check.prompt_ids.numel(), ids.numel()
+    def _forced(self, adapter, prompt_ids: torch.Tensor, answer: tuple[int, ...]) -> torch.Tensor:
+        """A full prefill of the prompt and the answer by `adapter`, one layer at a time, each while the engine is
+        idle: its greedy token before each answer token and after the last. [T + 1]"""
+        ids = torch.cat([prompt_ids, torch.tensor(answer, dtype=torch.long)])  # [N + T]
+        n, total = prompt_ids.numel(), ids.numel()
         positions, cache = torch.arange(total), adapter.new_buffers(total)
         with self._idle_lock():
             hidden = adapter.embed(ids)  # [1, N + T, H]
@@ -188,8 +212,9 @@ class Shadow:
         with self._idle_lock():
             return adapter.logits(hidden[:, n - 1:]).argmax(-1).cpu()
 
-    def _learn(self, check: Check, full_tops: torch.Tensor) -> None:
-        """Count the check in, add its samples, refit the budgets it touched and hand the engine the new curves."""
+    def _learn(self, check: Check, full_tops: torch.Tensor, floor_tops: dict[str, torch.Tensor] | None = None) -> None:
+        """Count the check in, add its samples, refit the curves it touched (the budgets', the HALF step's, and
+        where `floor_tops` has them the floors' at those budgets) and hand the engine the new curves."""
         flips = [judged.top != int(full_tops[judged.index]) for judged in check.judged]
         served = [(judged, flip) for judged, flip in zip(check.judged, flips, strict=True) if judged.served]
         self.counters.update(checks=1, answers=1, samples=len(flips), tokens=len(served),
@@ -197,7 +222,9 @@ class Shadow:
         self.predicted_risk += check.risk
         self.predicted_flips += sum(judged.chance for judged, _ in served)
         # Each judgment is a sample of the curve that judged it: its budget's, or the HALF step's own (guard.HALF,
-        # fidelity.Predictor.half). The floors' curves are the corpus calibration's (a check runs no floor).
+        # fidelity.Predictor.half); a repaired cache's is one of its budget's floors' too, flipped where the floor's
+        # token differs from full's: the floors' curves are P(the floor's token differs | the repaired cache's
+        # margin), as calibration fits them (calibrate.py).
         engine = self.engine
         predictor = before = engine.predictor or fidelity.DEFAULT_PREDICTOR
         keys = []
@@ -205,8 +232,14 @@ class Shadow:
             key = HALF if judged.step == HALF else judged.budget
             if key == HALF and predictor.half is None:
                 continue  # a curve dropped since (calibrated again): nothing to refit
-            self.samples.setdefault(key, collections.deque(maxlen=MAX_SAMPLES)).append((judged.margin, flip))
-            keys.append(key)
+            curves = [(key, flip)]
+            if key != HALF and predictor.at(key).floors is not None:
+                curves += [((floor, predictor.at(key).budget), int(tops[judged.index]) != int(full_tops[judged.index]))
+                           for floor, tops in (floor_tops or {}).items()]
+            for curve_key, curve_flip in curves:
+                self.samples.setdefault(curve_key, collections.deque(maxlen=MAX_SAMPLES)).append(
+                    (judged.margin, curve_flip))
+                keys.append(curve_key)
         refitted = False
         for key in dict.fromkeys(keys):
             samples, current = self.samples[key], _curve(predictor, key)
@@ -216,8 +249,9 @@ class Shadow:
                 self._priors[key] = current
             if len(samples) >= fidelity.MIN_TOKENS:
                 margins, flipped = zip(*samples, strict=True)
+                # Floors fitted as measured, as calibration fits them (raised, they would loosen the level they hold)
                 curve = fidelity.fit(margins, flipped, predictor.documents, current.budget, prior=self._priors[key])
-                predictor = dataclasses.replace(predictor, half=curve) if key == HALF else with_curve(predictor, curve)
+                predictor = _with(predictor, key, curve)
                 refitted = True
         if refitted:
             # The figures go with the curve: what the engine's curve carried, and this engine's checks since it last
@@ -227,6 +261,8 @@ class Shadow:
             self._saved = now
             engine.set_predictor(dataclasses.replace(predictor, observed=carried))
             self._handed = {curve.budget: _fitted(curve) for curve in (predictor, *predictor.others)}
+            self._handed |= {(kind, curve.budget): _fitted(floor) for curve in (predictor, *predictor.others)
+                             if curve.floors is not None for kind, floor in zip(FLOORS, curve.floors, strict=True)}
             if predictor.half is not None:
                 self._handed[HALF] = _fitted(predictor.half)
             self.counters["refits"] += 1
@@ -243,9 +279,35 @@ def _close_all() -> None:
         shadow.close()
 
 
-def _curve(predictor: fidelity.Predictor, key: float | str) -> fidelity.Predictor:
-    """The curve a sample of `key` (a budget, or guard.HALF) refits."""
+def _curve(predictor: fidelity.Predictor, key: float | str | tuple[str, float]) -> fidelity.Predictor:
+    """The curve a sample of `key` (a budget, guard.HALF, or a floor at a budget: ("order" | "dtype", budget))
+    refits."""
+    if isinstance(key, tuple):
+        kind, budget = key
+        return predictor.at(budget).floors[FLOORS.index(kind)]
     return predictor.half if key == HALF else predictor.at(key)
+
+
+def _with(predictor: fidelity.Predictor, key, curve: fidelity.Predictor) -> fidelity.Predictor:
+    """`predictor` with the curve a sample of `key` refits (_curve) replaced by `curve`."""
+    if key == HALF:
+        return dataclasses.replace(predictor, half=curve)
+    if not isinstance(key, tuple):
+        return with_curve(predictor, curve)
+    kind, budget = key
+    at = predictor.at(budget)
+    floors = tuple(curve if name == kind else floor for name, floor in zip(FLOORS, at.floors, strict=True))
+    return with_curve(predictor, dataclasses.replace(at, floors=floors), floors=floors)
+
+
+def _reordered(engine, segments: tuple) -> torch.Tensor | None:
+    """The order floor's prompt: the request's text with its documents in reverse order, as a full prefill runs it
+    (calibrate.py's order floor reverses its prompts' documents the same way); None with fewer than two."""
+    documents = [segment for segment in segments if not isinstance(segment, str)]
+    if len(documents) < 2:
+        return None
+    backwards = iter(documents[::-1])
+    return engine.plan("".join(s if isinstance(s, str) else next(backwards).text for s in segments), "full").token_ids
 
 
 def _fitted(curve: fidelity.Predictor) -> tuple:
@@ -257,12 +319,15 @@ class _Closed(Exception):
     """The shadow was closed while a check waited for the engine."""
 
 
-def with_curve(predictor: fidelity.Predictor, curve: fidelity.Predictor) -> fidelity.Predictor:
+def with_curve(predictor: fidelity.Predictor, curve: fidelity.Predictor, floors=False) -> fidelity.Predictor:
     """`predictor` with the curve at `curve.budget` replaced by `curve` (added when it has none there); the main
     curve stays first, the corpus size it was fitted for stays its own (calibrate.due reads it), and the floors'
-    curves at that budget stay the corpus calibration's (a shadow check runs no floor)."""
+    curves at that budget stay those it had (a fit of the curve is not one of its floors), unless `floors` gives
+    them."""
     before = {c.budget: c for c in (predictor, *predictor.others)}
-    curve = dataclasses.replace(curve, floors=before[curve.budget].floors if curve.budget in before else None)
+    if floors is False:
+        floors = before[curve.budget].floors if curve.budget in before else None
+    curve = dataclasses.replace(curve, floors=floors)
     curves = [c for c in (predictor, *predictor.others) if c.budget != curve.budget] + [curve]
     main = curve if curve.budget == predictor.budget else curves[0]
     main = fidelity.Predictor(main.intercept, main.slope, main.tokens, main.flips, predictor.documents, main.budget,

@@ -255,3 +255,31 @@ def test_holdout_document_edges_vary(holdout):
     assert {d[-1] for d in docs} >= {".", "!", "?", ":", '"', ")"}
     assert {d[0] for d in docs} & set("0123456789") and {d[0] for d in docs} >= {'"', "-"}
     assert {item["system"] for item, _ in holdout} == set(fidelity_holdout.SYSTEMS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Held-out set of real text (research/data/package_pages.jsonl): packages' own pages; nothing may be tuned on it.
+# The file is the set (it depends on what is installed), so its rules are checked, not a regeneration.
+
+
+PAGES = Path(__file__).resolve().parents[2] / "research" / "data" / "package_pages.jsonl"
+
+
+def test_package_pages_answers_are_in_their_own_page_only():
+    items = load_items(PAGES)
+    assert len(items) == 64
+    assert Counter(item.id.split("-")[2] for item in items) == {q: 16 for q in ("version", "requires", "author",
+                                                                                 "reverse")}
+    for item in items:
+        assert 4 <= len(item.documents) <= 8 and len(item.answers) == 1
+        answer = item.answers[0].casefold()
+        where = [j for j, doc in enumerate(item.documents) if answer in doc.casefold()]
+        assert where == [item.answer_doc], item.id
+
+
+def test_package_pages_are_the_packages_own_text():
+    # Every page carries its METADATA header lines and is cut from its description at a line end, not rewritten.
+    for item in load_items(PAGES):
+        for doc in item.documents:
+            assert re.search(r"^Name: \S+$", doc, re.M) and re.search(r"^Version: \S+$", doc, re.M), item.id
+            assert not re.search(r"^Name: (kvboost|langchain-kvboost|llama-index-llms-kvboost)", doc, re.M)

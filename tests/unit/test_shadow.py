@@ -140,13 +140,13 @@ CHECK_S = 1.5  # a check made slow on purpose: one run inline would add this to 
 
 
 def test_shadow_checks_never_delay_a_response(engine, monkeypatch):
-    real = engine.shadow._full_tops
+    real = engine.shadow._tops
 
     def slow(check):  # slower than any response here; outside the lock, as a long check between its layers is
         time.sleep(CHECK_S)
         return real(check)
 
-    monkeypatch.setattr(engine.shadow, "_full_tops", slow)
+    monkeypatch.setattr(engine.shadow, "_tops", slow)
     asked = prompts(7)
     engine.shadow.share = engine.shadow.young_share = 0.0
     for prompt in asked[:2]:  # warm up: the first calls of a process are slower
@@ -208,8 +208,8 @@ def test_shadow_settings_are_checked(field, value):
 
 
 def test_an_online_refit_keeps_the_floors_its_level_is_held_to():
-    """A shadow check refits the request's own curve; the order and dtype floors' curves at that budget were measured
-    by the corpus calibration and stay (else balanced would fall back to a fixed 15% after the first refit)."""
+    """A refit of the request's own curve keeps the order and dtype floors' curves at that budget (else balanced would
+    fall back to a fixed 15% after the first refit); the floors are refit from their own samples (below)."""
     from dataclasses import replace
 
     floors = (fidelity.Predictor(0.5, -1.0, 64, 20, 40, 0.07), fidelity.Predictor(-3.0, -1.0, 64, 1, 40, 0.07))
@@ -316,3 +316,70 @@ def test_checks_of_bf16_prefills_answers_correct_that_steps_wrong_curve(make_tin
     assert (engine.predictor.intercept, engine.predictor.slope) == (always.intercept, always.slope)  # not refit
     again = make_tiny_engine(EngineConfig(calibrate=False, store=StoreConfig(disk_dir=tmp_path)), guarded=True)
     assert again.predictor.half == half
+
+
+def _reversed_prompt(prompt: list[dict]) -> list[dict]:
+    """The same user message with its documents in reverse order: what the order floor answers."""
+    *documents, question = prompt[0]["content"].split("\n\n")
+    return [{"role": "user", "content": "\n\n".join([*documents[::-1], question])}]
+
+
+def test_checks_refit_the_floors_from_what_users_ask(make_tiny_engine, tmp_path):
+    """The floors a level is held to are measured on the served requests too: each check also runs the documents in
+    reverse order (and the model in bf16, where the engine has the HALF step's), teacher-forced along the served
+    answer, and refits the floors' curves at the request's budget. Here both floors are wrong on purpose (another
+    order never changes a token); the refit order floor expects the changes a full prefill of the reversed prompt
+    makes, counted here apart from the checks."""
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0,
+                                           store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    engine.ingest(corpus())
+    planned = engine.plan(prompts(1)[0], "full")  # the text the check lays out again, documents found in it
+    assert "".join(s if isinstance(s, str) else s.text for s in planned.segments) == engine.render(prompts(1)[0])
+    assert sum(not isinstance(s, str) for s in planned.segments) == len(corpus())
+    never = fidelity.Predictor(-30.0, 0.0, budget=BALANCED)  # no prior weight (tokens 0): the samples decide
+    engine.predictor = dataclasses.replace(NEVER_FLIPS, floors=(never, never))
+    checks_needed = math.ceil(fidelity.MIN_TOKENS / TOKENS)
+    served = [engine.generate(p, max_new_tokens=TOKENS, write_back=False) for p in prompts(checks_needed)]
+    assert engine.shadow.drain(timeout=120) and engine.shadow.figures()["refits"] == 1
+    assert all(len(out.served) == 1 and out.served[0].step == "repair" for out in served)
+    changed, margins = 0, []
+    for prompt, out in zip(prompts(checks_needed), served, strict=True):
+        tops = []
+        for asked in (prompt, _reversed_prompt(prompt)):
+            full = engine.prefill(asked, "full", max_new_tokens=TOKENS, write_back=False)
+            tops.append(torch.cat([full.logits[None], engine.continuation_logits(full, out.token_ids[:-1])]).argmax(-1))
+        changed += int((tops[0] != tops[1]).sum())
+        cached = engine.prefill(prompt, max_new_tokens=TOKENS, write_back=False, repair=FAST)
+        margins += [fidelity.margin(row) for row in
+                    torch.cat([cached.logits[None], engine.continuation_logits(cached, out.token_ids[:-1])])]
+    samples = engine.shadow.samples[("order", BALANCED)]
+    assert [m for m, _ in samples] == pytest.approx(margins, abs=1e-4) and sum(f for _, f in samples) == changed > 0
+    order, dtype = engine.predictor.at(BALANCED).floors
+    assert order.tokens == checks_needed * TOKENS and order.flips == changed
+    assert sum(order.flip_chance(m) for m in margins) == pytest.approx(changed, abs=0.5)
+    assert fidelity.target_for("balanced", engine.predictor.at(BALANCED)) == order
+    # The main curve was refit from the same checks, and kept apart from its floors.
+    assert engine.predictor.at(BALANCED).flips == engine.shadow.figures()["observed_flips"]
+    if engine.half_adapter() is not None:  # bf16 native here: the dtype floor's samples, fitted likewise
+        dtype_flips = sum(f for _, f in engine.shadow.samples[("dtype", BALANCED)])
+        assert dtype.tokens == checks_needed * TOKENS and dtype.flips == dtype_flips
+    else:
+        assert dtype == never
+    again = make_tiny_engine(EngineConfig(calibrate=False, store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+    assert again.predictor.at(BALANCED).floors == (order, dtype)
+    engine.close()
+
+
+def test_a_check_of_one_document_or_no_floors_runs_no_floor(make_tiny_engine):
+    """No other order for a single document; no floors to refit for an uncalibrated curve: the check runs full only."""
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0), guarded=True)
+    engine.ingest(corpus())
+    one = [{"role": "user", "content": corpus()[0] + "\n\nQuestion: Who is the mayor?"}]
+    engine.predictor = dataclasses.replace(NEVER_FLIPS, floors=(NEVER_FLIPS, NEVER_FLIPS))
+    engine.generate(one, max_new_tokens=TOKENS, write_back=False)
+    engine.predictor = NEVER_FLIPS
+    engine.generate(prompts(1)[0], max_new_tokens=TOKENS, write_back=False)
+    assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["checks"] == 2
+    assert ("order", BALANCED) not in engine.shadow.samples
+    assert len(engine.shadow.samples.get(("dtype", BALANCED), ())) in (0, TOKENS)  # the first, where bf16 runs
+    engine.close()
