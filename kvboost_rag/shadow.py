@@ -141,6 +141,20 @@ class Shadow:
                 "answers": c["answers"], "predicted_differ": self.predicted_risk,
                 "observed_differ": c["answers_differ"], "errors": c["errors"]}
 
+    def floor_figures(self, before: fidelity.Predictor | None) -> list[dict]:
+        """The floors the checks measured, per floor and budget: the samples, the floor's flips among them (its
+        token against full's along the served answers), and the flips `before`'s floor curve (the corpus
+        calibration's, say: out of sample) and the engine's now (refit on them) expect at the same margins."""
+        now, rows = self.engine.predictor or fidelity.DEFAULT_PREDICTOR, []
+        for key, samples in sorted(((k, v) for k, v in self.samples.items() if isinstance(k, tuple)), key=str):
+            margins, curves = [m for m, _ in samples], {"now": _curve(now, key)}
+            if before is not None and before.at(key[1]).floors is not None:
+                curves["before"] = _curve(before, key)
+            rows.append({"floor": key[0], "budget": key[1], "samples": len(samples),
+                         "flips": sum(flip for _, flip in samples)}
+                        | {f"expected_{when}": sum(map(curve.flip_chance, margins)) for when, curve in curves.items()})
+        return rows
+
     def observed(self) -> fidelity.Observed:
         """`figures`' predicted against observed, as kept with a curve and reported by the bench."""
         c = self.counters

@@ -6,7 +6,8 @@ layout); then another corpus is ingested without calibrating (multidoc_other, wr
 and its questions are served with the defaults as shipped: `balanced`, shadow checks at their default shares
 (shadow.py: 25% while a curve is young, 5% after). Every answer is also compared with a full prefill's greedy answer
 (not counted in any check): per window of requests, the mean predicted chance of a differing answer
-(fidelity_estimate) against the share that differ, and the shadow checks and refits so far.
+(fidelity_estimate) against the share that differ, and the shadow checks and refits so far. At the end, the floors
+the checks measured on the served corpus (another order, bf16) against the offline floor curves' expectation.
 
     .venv/bin/python research/online_calibration.py                              # ~19 min, bundled model
     .venv/bin/python research/online_calibration.py --model gemma-3-270m         # Gemma 3 270M
@@ -95,10 +96,15 @@ def main() -> None:
             predicted, observed = means(part)
             print(f"requests {first + 1}-{first + len(part)}: mean P(differs) {predicted:.3f}, differs {observed:.3f}")
     print("shadow checks:", json.dumps(engine.shadow.figures()))
+    floors = engine.shadow.floor_figures(offline)  # the offline curves' expectations are out of sample
+    for row in floors:
+        print(f"{row['floor']} floor at budget {row['budget']:g}: {row['flips']} of {row['samples']} checked tokens "
+              f"differ from full's; the offline curve expected {row['expected_before']:.1f}, the refit one "
+              f"{row['expected_now']:.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows,
-                                         "shadow": engine.shadow.figures()}, indent=1))
+                                         "shadow": engine.shadow.figures(), "floors": floors}, indent=1))
     engine.close()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 from pathlib import Path
 
 COLUMNS = [  # (key, header, format)
@@ -43,6 +44,10 @@ def table(report: dict) -> str:
         lines += ["", f"Shadow checks: {shadow['checks']}; differing answers predicted {shadow['predicted_differ']:.2f}"
                       f", observed {shadow['observed_differ']}; flips over {shadow['tokens']} served tokens predicted "
                       f"{shadow['predicted_flips']:.2f}, observed {shadow['observed_flips']}"]
+    for row in report.get("floors_checked") or ():  # the floors on the bench's answers against calibration's curves
+        lines.append(f"{row['floor'].capitalize()} floor at budget {row['budget']:g}: {row['flips']} of "
+                     f"{row['samples']} checked tokens differ from full's; calibrated curve expected "
+                     f"{row.get('expected_before', math.nan):.1f}, refit {row['expected_now']:.1f}")
     return title + "\n\n" + "\n".join(lines)
 
 

@@ -14,7 +14,9 @@ each is compared with `full` on the same tokens:
   the strategies are. No user can tell apart answers that differ less than a change of dtype makes them differ.
 - observed_fidelity (per guarded strategy): the guard's estimates (fidelity_estimate) of the answers it guarded
   against those that differ from full's, summed, as the shadow checks report them (fidelity.Observed); and
-  shadow_checks: the shadow checks the bench's answers led to (shadow.py), once they have run, after the timed part.
+  shadow_checks: the shadow checks the bench's answers led to (shadow.py), once they have run, after the timed part;
+  floors_checked: the floors those checks measured (another order, bf16) against what the curves calibrated at
+  ingestion expected, and the refit ones (shadow.Shadow.floor_figures).
 
 A strategy spec is a name with optional repair overrides: "cacheblend:recompute_ratio=0.3,taper=1".
 """
@@ -246,6 +248,7 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
     started = time.perf_counter()
     checked = engine.shadow.observed()  # an engine that served before: only the bench's checks are reported
     engine.ingest([d for item in items for d in item.documents], progress=progress)
+    calibrated = engine.predictor  # what the floors' curves were before the checks of the bench's answers refit them
     if drift_prompts > 0:
         engine.fit_drift(prompts=drift_prompts)
     read_stored(engine, items, layout)
@@ -278,4 +281,5 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
     engine.shadow.drain(timeout=SHADOW_DRAIN_S)
     shadow = engine.shadow.observed() - checked
     report["shadow_checks"] = shadow.figures() if shadow.checks else None
+    report["floors_checked"] = engine.shadow.floor_figures(calibrated) if shadow.checks else None
     return report

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -116,7 +118,8 @@ def test_the_bench_reports_the_guards_estimates_against_the_answers_that_differe
     engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0), guarded=True)
     # A curve that trusts every token: every answer served from the repaired cache (a random model's guard would
     # send them all to a full prefill), each checked in the background.
-    engine.predictor = fidelity.Predictor(-30.0, 0.0, budget=engine.config.repair.budget)
+    never = fidelity.Predictor(-30.0, 0.0, budget=engine.config.repair.budget)
+    engine.predictor = dataclasses.replace(never, floors=(never, never))  # and floors that never flip, checked too
     items = [BenchItem(f"item{i}", tuple(docs[i:] + docs[:i]), "Who founded the brewing company?") for i in range(2)]
     report = run_bench(engine, items, parse_strategies("full,cacheblend", engine.config.repair), max_new_tokens=4,
                        progress=False)
@@ -135,4 +138,7 @@ def test_the_bench_reports_the_guards_estimates_against_the_answers_that_differe
     assert shadow["checks"] == shadow["answers"] == 3 and 0 < shadow["tokens"] <= 3 * 4
     assert shadow == engine.shadow.observed().figures()
     assert "Shadow checks: 3;" in table(report)
+    order = next(row for row in report["floors_checked"] if row["floor"] == "order")
+    assert order["samples"] == shadow["tokens"] and order["expected_before"] < 1e-6  # every token trusted
+    assert f"Order floor at budget {order['budget']:g}: {order['flips']} of {order['samples']} checked" in table(report)
     engine.close()

@@ -337,7 +337,7 @@ def test_checks_refit_the_floors_from_what_users_ask(make_tiny_engine, tmp_path)
     assert "".join(s if isinstance(s, str) else s.text for s in planned.segments) == engine.render(prompts(1)[0])
     assert sum(not isinstance(s, str) for s in planned.segments) == len(corpus())
     never = fidelity.Predictor(-30.0, 0.0, budget=BALANCED)  # no prior weight (tokens 0): the samples decide
-    engine.predictor = dataclasses.replace(NEVER_FLIPS, floors=(never, never))
+    engine.predictor = wrong = dataclasses.replace(NEVER_FLIPS, floors=(never, never))
     checks_needed = math.ceil(fidelity.MIN_TOKENS / TOKENS)
     served = [engine.generate(p, max_new_tokens=TOKENS, write_back=False) for p in prompts(checks_needed)]
     assert engine.shadow.drain(timeout=120) and engine.shadow.figures()["refits"] == 1
@@ -358,6 +358,10 @@ def test_checks_refit_the_floors_from_what_users_ask(make_tiny_engine, tmp_path)
     assert order.tokens == checks_needed * TOKENS and order.flips == changed
     assert sum(order.flip_chance(m) for m in margins) == pytest.approx(changed, abs=0.5)
     assert fidelity.target_for("balanced", engine.predictor.at(BALANCED)) == order
+    # Reported against the curve they were held to before (what the bench and research/online_calibration.py show)
+    row = next(r for r in engine.shadow.floor_figures(wrong) if r["floor"] == "order")
+    assert (row["budget"], row["samples"], row["flips"]) == (BALANCED, checks_needed * TOKENS, changed)
+    assert row["expected_before"] < 1e-6 and row["expected_now"] == pytest.approx(changed, abs=0.5)
     # The main curve was refit from the same checks, and kept apart from its floors.
     assert engine.predictor.at(BALANCED).flips == engine.shadow.figures()["observed_flips"]
     if engine.half_adapter() is not None:  # bf16 native here: the dtype floor's samples, fitted likewise
