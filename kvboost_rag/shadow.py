@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fidelity
+from .assembly import segments_text
 from .repair.guard import HALF, Judged
 
 FLOORS = ("order", "dtype")  # fidelity.Predictor.floors' order
@@ -321,7 +322,8 @@ def _reordered(engine, segments: tuple) -> torch.Tensor | None:
     if len(documents) < 2:
         return None
     backwards = iter(documents[::-1])
-    return engine.plan("".join(s if isinstance(s, str) else next(backwards).text for s in segments), "full").token_ids
+    swapped = [segment if isinstance(segment, str) else next(backwards) for segment in segments]
+    return engine.plan(segments_text(swapped), "full").token_ids
 
 
 def _fitted(curve: fidelity.Predictor) -> tuple:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvboost_rag import fidelity, models, shadow
+from kvboost_rag.assembly import segments_text
 from kvboost_rag.cli import store as store_cli
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig, StoreConfig
 from kvboost_rag.repair.guard import HALF, Judged
@@ -334,7 +335,7 @@ def test_checks_refit_the_floors_from_what_users_ask(make_tiny_engine, tmp_path)
                                            store=StoreConfig(disk_dir=tmp_path)), guarded=True)
     engine.ingest(corpus())
     planned = engine.plan(prompts(1)[0], "full")  # the text the check lays out again, documents found in it
-    assert "".join(s if isinstance(s, str) else s.text for s in planned.segments) == engine.render(prompts(1)[0])
+    assert segments_text(planned.segments) == engine.render(prompts(1)[0])
     assert sum(not isinstance(s, str) for s in planned.segments) == len(corpus())
     never = fidelity.Predictor(-30.0, 0.0, budget=BALANCED)  # no prior weight (tokens 0): the samples decide
     engine.predictor = wrong = dataclasses.replace(NEVER_FLIPS, floors=(never, never))
