@@ -312,7 +312,7 @@ def _with(predictor: fidelity.Predictor, key, curve: fidelity.Predictor) -> fide
     kind, budget = key
     at = predictor.at(budget)
     floors = tuple(curve if name == kind else floor for name, floor in zip(FLOORS, at.floors, strict=True))
-    return with_curve(predictor, dataclasses.replace(at, floors=floors), floors=floors)
+    return with_curve(predictor, dataclasses.replace(at, floors=floors))
 
 
 def _reordered(engine, segments: tuple) -> torch.Tensor | None:
@@ -335,15 +335,14 @@ class _Closed(Exception):
     """The shadow was closed while a check waited for the engine."""
 
 
-def with_curve(predictor: fidelity.Predictor, curve: fidelity.Predictor, floors=False) -> fidelity.Predictor:
+def with_curve(predictor: fidelity.Predictor, curve: fidelity.Predictor) -> fidelity.Predictor:
     """`predictor` with the curve at `curve.budget` replaced by `curve` (added when it has none there); the main
-    curve stays first, the corpus size it was fitted for stays its own (calibrate.due reads it), and the floors'
-    curves at that budget stay those it had (a fit of the curve is not one of its floors), unless `floors` gives
-    them."""
+    curve stays first, the corpus size it was fitted for stays its own (calibrate.due reads it), and a curve without
+    floors (a fit: fidelity.fit gives none) takes the floors' curves it replaces at that budget; one with floors (a
+    floor's refit, _with) brings its own."""
     before = {c.budget: c for c in (predictor, *predictor.others)}
-    if floors is False:
-        floors = before[curve.budget].floors if curve.budget in before else None
-    curve = dataclasses.replace(curve, floors=floors)
+    if curve.floors is None and curve.budget in before:
+        curve = dataclasses.replace(curve, floors=before[curve.budget].floors)
     curves = [c for c in (predictor, *predictor.others) if c.budget != curve.budget] + [curve]
     main = curve if curve.budget == predictor.budget else curves[0]
     main = fidelity.Predictor(main.intercept, main.slope, main.tokens, main.flips, predictor.documents, main.budget,
