@@ -35,9 +35,10 @@ a long one not for being long. "fast" has no guard; a number in (0, 1) is a fixe
 a conservative one.
 
 Predicted against observed (`Observed`): the shadow checks' figures (the answers' summed risks against those that
-differed from a full prefill's; the served tokens' summed flip chances against the flips) are kept with the curve
-they refit, in its file's metadata, so `kvboost-rag store stats` (and `store verify redis://...`) can show them
-without a model; the bench reports the same figures per strategy.
+differed from a full prefill's; the served tokens' summed flip chances against the flips; each floor's curve, at the
+judged tokens, against the tokens where the floor differed from full) are kept with the curve they refit, in its
+file's metadata, so `kvboost-rag store stats` (and `store verify redis://...`) can show them without a model; the
+bench reports the same figures per strategy.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class Observed:
     """The guard's predictions against what checks against a full prefill found (shadow.py's checks of served
     answers, kept with the curve they refit): over the answers, their summed risks (Generation.fidelity_estimate)
     against those that differed from a full prefill's; over the tokens served from reused caches, their summed
-    flip chances against the tokens a full prefill chose otherwise. Sums, not means, so that two sets add up."""
+    flip chances against the tokens a full prefill chose otherwise; and per floor (where the checks ran the floors,
+    shadow.py), over the judged tokens, the floor curve's summed chances that the floor's token differs from full's
+    against the tokens where it did. Sums, not means, so that two sets add up."""
 
     checks: int = 0
     answers: int = 0
@@ -96,6 +99,13 @@ class Observed:
     tokens: int = 0
     predicted_flips: float = 0.0
     observed_flips: int = 0
+    # The floors' (FLOOR_FIELDS): optional in a file, a file written before them has none
+    order_tokens: int = 0
+    order_predicted_flips: float = 0.0
+    order_observed_flips: int = 0
+    dtype_tokens: int = 0
+    dtype_predicted_flips: float = 0.0
+    dtype_observed_flips: int = 0
 
     def __add__(self, other: Observed) -> Observed:
         return Observed(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -113,12 +123,11 @@ class Observed:
                 "differ_ratio": _divided(self.predicted_differ, self.observed_differ)}
 
     def figures(self) -> dict:
-        """answer_figures, the checks, and the same per served token."""
-        return {"checks": self.checks, **self.answer_figures(), "tokens": self.tokens,
-                "predicted_flips": self.predicted_flips, "observed_flips": self.observed_flips,
-                "predicted_flip_share": _divided(self.predicted_flips, self.tokens),
-                "observed_flip_share": _divided(self.observed_flips, self.tokens),
-                "flip_ratio": _divided(self.predicted_flips, self.observed_flips)}
+        """answer_figures, the checks, the same per served token, and per floor per judged token ("floors")."""
+        return {"checks": self.checks, **self.answer_figures(),
+                **_flip_figures(self.tokens, self.predicted_flips, self.observed_flips),
+                "floors": {floor: _flip_figures(*(getattr(self, f"{floor}_{name}") for name in FLOOR_FIELDS))
+                           for floor in FLOOR_NAMES}}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -128,7 +137,8 @@ class Observed:
         """The figures `to_json` wrote; ValueError unless every one is there, of its type, finite and not negative."""
         values = json.loads(text)
         kinds = {f.name: f.type for f in fields(cls)}
-        if not isinstance(values, dict) or set(values) != set(kinds):
+        optional = {f"{floor}_{name}" for floor in FLOOR_NAMES for name in FLOOR_FIELDS}
+        if not isinstance(values, dict) or not set(kinds) - optional <= set(values) <= set(kinds):
             raise ValueError(f"observed fidelity figures must be {sorted(kinds)}")
         for name, value in values.items():
             counted = kinds[name] == "int"
@@ -136,6 +146,16 @@ class Observed:
                     or not math.isfinite(value) or value < 0):
                 raise ValueError(f"observed fidelity figure {name}={value!r}")
         return cls(**{name: value if kinds[name] == "int" else float(value) for name, value in values.items()})
+
+
+FLOOR_NAMES = ("order", "dtype")  # Predictor.floors' order
+FLOOR_FIELDS = ("tokens", "predicted_flips", "observed_flips")  # Observed's per floor, named f"{floor}_{field}"
+
+
+def _flip_figures(tokens: int, predicted: float, observed: int) -> dict:
+    return {"tokens": tokens, "predicted_flips": predicted, "observed_flips": observed,
+            "predicted_flip_share": _divided(predicted, tokens), "observed_flip_share": _divided(observed, tokens),
+            "flip_ratio": _divided(predicted, observed)}
 
 
 def _divided(a: float, b: float) -> float | None:

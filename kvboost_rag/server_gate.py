@@ -30,7 +30,9 @@ answer is held to about ERROR_RATE refusals a second; valid requests, of any cli
 The metrics (prefix kvboost_): requests_total{route, status}; requests_in_flight and max_requests (gauges);
 requests_rejected_total (the 429s); ttft_seconds (a histogram of the engine's time to first token); prompt_tokens_total,
 reused_tokens_total (the store's reuse ratio is reused over prompt) and completion_tokens_total, of the requests that
-ran to their end; store_bytes (the KV held in the store's memory tier, read at each scrape).
+ran to their end; store_bytes (the KV held in the store's memory tier, read at each scrape); with online calibration
+(shadow.py), shadow_* (the guard's predictions against what the checks found) and shadow_floor_*{floor} (each floor's
+curve, at the judged tokens, against where the floor's token differed from full's).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 
+from . import fidelity
 from .engine import Generation, KVBoost
 
 # More than serving.WORKERS streams step at once; the rest of the bound waits for a worker.
@@ -98,6 +101,15 @@ class ServerMetrics:
                               ("observed_differ", "checked answers that differ from a full prefill's")):
                 Gauge(f"kvboost_shadow_{key}", what, registry=registry).set_function(
                     lambda key=key: shadow.figures()[key])
+            for key, what in (("tokens", "judged tokens the checks ran a floor's full prefill at"),
+                              ("predicted_flips", "chances the floor's curve gave that its token differs from "
+                                                  "full's there, summed"),
+                              ("observed_flips", "of those tokens, where the floor's token differs from full's")):
+                gauge = Gauge(f"kvboost_shadow_floor_{key}", f"{what}, by floor (order: the documents reversed; "
+                              "dtype: bf16)", ["floor"], registry=registry)
+                for floor in fidelity.FLOOR_NAMES:
+                    gauge.labels(floor).set_function(
+                        lambda key=key, floor=floor: shadow.figures()["floors"][floor][key])
         routes = getattr(engine, "routes", None)
         if routes is not None:  # the guard's ladder (repair/routes.py): steps measured not to pay, skipped or tried
             for key, what in (("skipped", "steps of the guard's ladder skipped: measured to cost more than they save"),

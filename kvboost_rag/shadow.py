@@ -30,7 +30,9 @@ waits for its lock, no stream decoding. A request that comes meanwhile waits at 
 
 Predicted against observed (`figures`): over the tokens served from reused caches, the guard's summed flip chances
 against the flips counted; over the answers, their summed risks (Generation.fidelity_estimate) against those that
-differ from a full prefill's at a served token. `figures` are this engine's (/metrics). The store's go with every
+differ from a full prefill's at a served token; per floor, over the judged tokens where the check ran it, the floor
+curve's summed chances (before the check refits it: out of sample) against the tokens where the floor's token differs
+from full's. `figures` are this engine's (/metrics). The store's go with every
 curve a check refits (fidelity.Observed, in the fidelity file's metadata, the same bytes in Redis): those the
 engine's curve carried (loaded with it, so a restart, another process on the same Redis and the next corpus
 calibration keep them) plus this engine's checks since its last refit; `kvboost-rag store stats` shows them.
@@ -53,7 +55,7 @@ from . import fidelity
 from .assembly import segments_text
 from .repair.guard import HALF, Judged
 
-FLOORS = ("order", "dtype")  # fidelity.Predictor.floors' order
+FLOORS = fidelity.FLOOR_NAMES  # fidelity.Predictor.floors' order
 YOUNG_TOKENS = 512  # a curve fitted on fewer tokens is checked more: four corpus calibrations' worth (8 x 16 each)
 MAX_SAMPLES = 4096  # samples kept per budget: the newest, so the curve follows what is asked now
 IDLE_POLL_S = 0.005  # how often a waiting check looks whether the engine is idle
@@ -86,10 +88,12 @@ class Shadow:
         # budget (or guard.HALF: the HALF step's own curve) -> (margin, flipped)
         self.samples: dict[float | str, collections.deque[tuple[float, bool]]] = {}
         # checks, dropped, answers/answers_differ, predicted_risk (summed), tokens/flips (served tokens),
-        # predicted_flips (their summed chances), samples, refits
+        # predicted_flips (their summed chances), samples, refits; per floor "{floor}_tokens"/"{floor}_flips" (judged
+        # tokens where the floor ran, and where its token differs from full's)
         self.counters: collections.Counter[str] = collections.Counter()
         self.predicted_risk = 0.0
         self.predicted_flips = 0.0
+        self.floor_predicted = dict.fromkeys(FLOORS, 0.0)  # the floors' curves' chances at those tokens, summed
         self._saved = fidelity.Observed()  # `observed()` when a refit last handed the engine a curve (see _learn)
         # Per curve (a budget's, or guard.HALF's), the one the engine had before this engine's checks refit it: it
         # counts in every refit as much as the tokens it was fitted on (fidelity.fit's prior), so that a few checks
@@ -134,13 +138,12 @@ class Shadow:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10)
 
-    def figures(self) -> dict[str, float]:
-        """Predicted against observed, for /metrics and `store stats`: per served token and per answer."""
+    def figures(self) -> dict:
+        """Predicted against observed, for /metrics: per served token, per answer and per floor (observed().figures),
+        and the checks' own counts."""
         c = self.counters
-        return {"checks": c["checks"], "dropped": c["dropped"], "refits": c["refits"], "samples": c["samples"],
-                "tokens": c["tokens"], "predicted_flips": self.predicted_flips, "observed_flips": c["flips"],
-                "answers": c["answers"], "predicted_differ": self.predicted_risk,
-                "observed_differ": c["answers_differ"], "errors": c["errors"]}
+        return {"dropped": c["dropped"], "refits": c["refits"], "samples": c["samples"], "errors": c["errors"],
+                **self.observed().figures()}
 
     def floor_figures(self, before: fidelity.Predictor | None) -> list[dict]:
         """The floors the checks measured, per floor and budget: the samples, the floor's flips among them (its
@@ -159,8 +162,11 @@ class Shadow:
     def observed(self) -> fidelity.Observed:
         """`figures`' predicted against observed, as kept with a curve and reported by the bench."""
         c = self.counters
+        floors = {f"{floor}_{name}": value for floor in FLOORS for name, value in
+                  (("tokens", c[f"{floor}_tokens"]), ("predicted_flips", self.floor_predicted[floor]),
+                   ("observed_flips", c[f"{floor}_flips"]))}
         return fidelity.Observed(c["checks"], c["answers"], self.predicted_risk, c["answers_differ"], c["tokens"],
-                                 self.predicted_flips, c["flips"])
+                                 self.predicted_flips, c["flips"], **floors)
 
     # ---- the thread --------------------------------------------------------------------------
 
@@ -249,8 +255,12 @@ class Shadow:
                 continue  # a curve dropped since (calibrated again): nothing to refit
             curves = [(key, flip)]
             if key != HALF and predictor.at(key).floors is not None:
-                curves += [((floor, predictor.at(key).budget), int(tops[judged.index]) != int(full_tops[judged.index]))
-                           for floor, tops in (floor_tops or {}).items()]
+                for floor, tops in (floor_tops or {}).items():
+                    floor_flip = int(tops[judged.index]) != int(full_tops[judged.index])
+                    curves.append(((floor, predictor.at(key).budget), floor_flip))
+                    # Predicted by the floor's curve before this check refits it: out of sample, as the guard's are
+                    self.floor_predicted[floor] += _curve(before, curves[-1][0]).flip_chance(judged.margin)
+                    self.counters.update({f"{floor}_tokens": 1, f"{floor}_flips": floor_flip})
             for curve_key, curve_flip in curves:
                 self.samples.setdefault(curve_key, collections.deque(maxlen=MAX_SAMPLES)).append(
                     (judged.margin, curve_flip))

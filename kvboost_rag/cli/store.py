@@ -173,9 +173,22 @@ def observed_lines(where: str, figures: dict | None) -> list[str]:
             f"    answers that differ: predicted {figures['predicted_differ']:.2f} of {figures['answers']} "
             f"({shown['predicted_differ_share']}), observed {figures['observed_differ']} "
             f"({shown['observed_differ_share']}), predicted/observed {shown['differ_ratio']}",
-            f"    served tokens that flip: predicted {figures['predicted_flips']:.2f} of {figures['tokens']} "
-            f"({shown['predicted_flip_share']}), observed {figures['observed_flips']} "
-            f"({shown['observed_flip_share']}), predicted/observed {shown['flip_ratio']}"]
+            f"    served tokens that flip: {_flips(figures)}"] + [
+            f"    {FLOOR_WORDS[floor]} floor, judged tokens where it differs from full: {_flips(floor_figures)}"
+            for floor, floor_figures in figures.get("floors", {}).items() if floor_figures["tokens"]]
+
+
+# What each floor's full prefill is (fidelity.FLOOR_NAMES)
+FLOOR_WORDS = {"order": "order (the documents reversed)", "dtype": "dtype (bf16)"}
+
+
+def _flips(figures: dict) -> str:
+    """Predicted against observed flips (fidelity._flip_figures) in words."""
+    shown = {k: "-" if figures[k] is None else f"{figures[k]:.3f}"
+             for k in ("predicted_flip_share", "observed_flip_share", "flip_ratio")}
+    return (f"predicted {figures['predicted_flips']:.2f} of {figures['tokens']} ({shown['predicted_flip_share']}), "
+            f"observed {figures['observed_flips']} ({shown['observed_flip_share']}), predicted/observed "
+            f"{shown['flip_ratio']}")
 
 
 def _count_lines(path: Path) -> int:

@@ -373,6 +373,13 @@ def test_metrics_count_what_was_served(client, engine, base_url, docs):
     assert _sample(after, "kvboost_shadow_checks") == engine.shadow.figures()["checks"]  # issue 41's online checks
     engine.routes.counters["skipped"] += 3  # the ladder's steps measured not to pay (repair/routes.py)
     assert _sample(_metrics(base_url), "kvboost_ladder_skipped") == engine.routes.counters["skipped"] >= 3
+    engine.shadow.counters.update(order_tokens=10, order_flips=2)  # as checks that ran the floors count them
+    engine.shadow.floor_predicted["order"] += 1.5
+    scraped, floors = _metrics(base_url), engine.shadow.figures()["floors"]
+    for key in ("tokens", "predicted_flips", "observed_flips"):
+        for floor in ("order", "dtype"):
+            assert _sample(scraped, f"kvboost_shadow_floor_{key}", floor=floor) == floors[floor][key]
+    assert floors["order"]["tokens"] >= 10 and floors["order"]["predicted_flips"] >= 1.5
 
 
 def test_each_app_keeps_its_own_metrics(engine):

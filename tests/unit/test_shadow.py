@@ -329,16 +329,17 @@ def test_checks_refit_the_floors_from_what_users_ask(make_tiny_engine, tmp_path)
     """The floors a level is held to are measured on the served requests too: each check also runs the documents in
     reverse order (and the model in bf16, where the engine has the HALF step's), teacher-forced along the served
     answer, and refits the floors' curves at the request's budget. Here both floors are wrong on purpose (another
-    order never changes a token); the refit order floor expects the changes a full prefill of the reversed prompt
-    makes, counted here apart from the checks."""
+    order changes 1 token in 21 whatever the margin); the refit order floor expects the changes a full prefill of the
+    reversed prompt makes, counted here apart from the checks; the checks' figures hold the wrong curve's
+    predictions (made before the refit) against those changes."""
     engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0,
                                            store=StoreConfig(disk_dir=tmp_path)), guarded=True)
     engine.ingest(corpus())
     planned = engine.plan(prompts(1)[0], "full")  # the text the check lays out again, documents found in it
     assert segments_text(planned.segments) == engine.render(prompts(1)[0])
     assert sum(not isinstance(s, str) for s in planned.segments) == len(corpus())
-    never = fidelity.Predictor(-30.0, 0.0, budget=BALANCED)  # no prior weight (tokens 0): the samples decide
-    engine.predictor = wrong = dataclasses.replace(NEVER_FLIPS, floors=(never, never))
+    rare = fidelity.Predictor(-3.0, 0.0, budget=BALANCED)  # no prior weight (tokens 0): the samples decide
+    engine.predictor = wrong = dataclasses.replace(NEVER_FLIPS, floors=(rare, rare))
     checks_needed = math.ceil(fidelity.MIN_TOKENS / TOKENS)
     served = [engine.generate(p, max_new_tokens=TOKENS, write_back=False) for p in prompts(checks_needed)]
     assert engine.shadow.drain(timeout=120) and engine.shadow.figures()["refits"] == 1
@@ -362,14 +363,21 @@ def test_checks_refit_the_floors_from_what_users_ask(make_tiny_engine, tmp_path)
     # Reported against the curve they were held to before (what the bench and research/online_calibration.py show)
     row = next(r for r in engine.shadow.floor_figures(wrong) if r["floor"] == "order")
     assert (row["budget"], row["samples"], row["flips"]) == (BALANCED, checks_needed * TOKENS, changed)
-    assert row["expected_before"] < 1e-6 and row["expected_now"] == pytest.approx(changed, abs=0.5)
+    assert row["expected_before"] == pytest.approx(len(margins) * rare.flip_chance(0.0))
+    assert row["expected_now"] == pytest.approx(changed, abs=0.5)
+    # Predicted against observed per floor, as /metrics and `store stats` show them: out of sample (the curve before)
+    floor_figures = engine.shadow.figures()["floors"]["order"]
+    assert (floor_figures["tokens"], floor_figures["observed_flips"]) == (checks_needed * TOKENS, changed)
+    assert floor_figures["predicted_flips"] == pytest.approx(row["expected_before"])
+    assert engine.predictor.observed.figures()["floors"]["order"] == floor_figures  # saved with the curve
     # The main curve was refit from the same checks, and kept apart from its floors.
     assert engine.predictor.at(BALANCED).flips == engine.shadow.figures()["observed_flips"]
     if engine.half_adapter() is not None:  # bf16 native here: the dtype floor's samples, fitted likewise
         dtype_flips = sum(f for _, f in engine.shadow.samples[("dtype", BALANCED)])
         assert dtype.tokens == checks_needed * TOKENS and dtype.flips == dtype_flips
+        assert engine.shadow.figures()["floors"]["dtype"]["observed_flips"] == dtype_flips
     else:
-        assert dtype == never
+        assert dtype == rare and engine.shadow.figures()["floors"]["dtype"]["tokens"] == 0
     again = make_tiny_engine(EngineConfig(calibrate=False, store=StoreConfig(disk_dir=tmp_path)), guarded=True)
     assert again.predictor.at(BALANCED).floors == (order, dtype)
     engine.close()

@@ -128,7 +128,8 @@ def test_a_fidelity_file_of_another_version_than_its_engine_reads_is_refused_by_
 
 
 SEEN = fidelity.Observed(checks=3, answers=3, predicted_differ=1.25, observed_differ=1, tokens=48,
-                         predicted_flips=3.5, observed_flips=5)  # what shadow checks saw (shadow.py)
+                         predicted_flips=3.5, observed_flips=5,  # what shadow checks saw (shadow.py)
+                         order_tokens=40, order_predicted_flips=6.0, order_observed_flips=8)  # no bf16 model
 
 
 def test_a_fidelity_file_from_before_the_shadow_figures_loads_and_shows_none(make_tiny_engine, tmp_path, capsys):
@@ -160,12 +161,26 @@ def test_a_fidelity_file_from_before_the_shadow_figures_loads_and_shows_none(mak
     assert f"observed fidelity ({name}): 3 shadow checks of served answers" in out
     assert "answers that differ: predicted 1.25 of 3 (0.417), observed 1 (0.333), predicted/observed 1.250" in out
     assert "served tokens that flip: predicted 3.50 of 48 (0.073), observed 5 (0.104), predicted/observed 0.700" in out
+    assert ("order (the documents reversed) floor, judged tokens where it differs from full: predicted 6.00 of 40 "
+            "(0.150), observed 8 (0.200), predicted/observed 0.750") in out
+    assert "dtype (bf16) floor" not in out  # none checked
     assert _cli("store", "stats", str(tmp_path), "--json") == 0
     figures = json.loads(capsys.readouterr().out)["observed_fidelity"][name]
     assert figures == SEEN.figures() and figures["differ_ratio"] == pytest.approx(1.25)
+    assert figures["floors"]["order"]["flip_ratio"] == pytest.approx(0.75)
 
-    for damaged in ('{"checks": 3}', SEEN.to_json().replace("48", "-48"), SEEN.to_json().replace("5}", "NaN}"),
-                    "not json"):
+    # Figures kept before the floors' were: read as no floor checked
+    before_floors = json.dumps({k: v for k, v in dataclasses.asdict(SEEN).items()
+                                if not k.startswith(("order", "dtype"))})
+    engine.fidelity_path.write_bytes(_with_metadata(observed=before_floors)(data))
+    seen = fidelity.from_bytes(engine.fidelity_path.read_bytes(), engine.fingerprint).observed
+    assert seen == dataclasses.replace(SEEN, order_tokens=0, order_predicted_flips=0.0, order_observed_flips=0)
+    assert _cli("store", "stats", str(tmp_path)) == 0 and "floor" not in capsys.readouterr().out
+
+    for damaged in ('{"checks": 3}', SEEN.to_json().replace("48", "-48"),
+                    SEEN.to_json().replace('"observed_flips": 5', '"observed_flips": NaN'),
+                    SEEN.to_json().replace('"dtype_tokens": 0', '"dtype_tokens": 0.5'),
+                    SEEN.to_json()[:-1] + ', "unknown": 1}', "not json"):
         engine.fidelity_path.write_bytes(_with_metadata(observed=damaged)(data))
         assert fidelity.from_bytes(engine.fidelity_path.read_bytes(), engine.fingerprint) is None
         assert "refuses" in verify_dir(tmp_path).bad[engine.fidelity_path]
