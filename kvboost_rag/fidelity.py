@@ -56,8 +56,9 @@ from .store.files import safetensors_metadata
 # 3: one curve per recompute budget; 4: and the floors' curves at it. The shadow checks' figures (Observed) are
 # optional metadata, read by 4's readers as none where absent and ignored where not known: no new version. 5: the
 # curves fitted cautious where calibration saw few flips (fit's pseudo_flips), so a 4's plain curves are fitted again.
-# 6: and the HALF step's own curve (Predictor.half), which a 5 has not.
-VERSION = 6
+# 6: and the HALF step's own curve (Predictor.half), which a 5 has not. 7: that curve expecting at least half the
+# flips bf16 throughout made (calibrate.py), so a 6's, fitted on none where bf16 made several, are fitted again.
+VERSION = 7
 LEVELS = ("fast", "balanced", "strict")
 BALANCED = 0.15  # target chance, per request, that the answer differs from a full prefill's
 STRICT = 0.03
@@ -181,10 +182,11 @@ class Predictor:
     # The floors' curves at this budget, fitted in the same pass: (order, dtype); None: the levels' fixed targets
     floors: tuple[Predictor, Predictor] | None = None
     # The curve the ladder's HALF step (a bf16 full prefill, decoded on in float32) is judged by, on the main curve
-    # only: P(its token differs from a float32 full prefill's | its own margin), fitted on what the step serves,
-    # refit by the shadow checks. Not the dtype floor's curve, which holds `strict` to the floor as
-    # measured, at the reused cache's margins: an estimate by it was 10x low on Gemma 3 270M where bf16 changed a
-    # quarter of the answers (docs/method.md). None: uncalibrated, no HALF step.
+    # only: P(its token differs from a float32 full prefill's | its own margin), fitted on what the step serves
+    # (expecting at least half the flips bf16 throughout made there, calibrate.py), refit by the shadow checks.
+    # Not the dtype floor's curve, which holds `strict` to the floor as measured, at the reused cache's margins: an
+    # estimate by it was 10x low on Gemma 3 270M where bf16 changed a quarter of the answers (docs/method.md).
+    # None: uncalibrated, no HALF step.
     half: Predictor | None = None
     # The shadow checks' figures so far (shadow.py), on the main curve only; None: no check has refit a curve yet
     observed: Observed | None = None
