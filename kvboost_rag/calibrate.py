@@ -251,17 +251,7 @@ def calibrate(engine, texts: Sequence[str] | None = None, *, prompts: int | None
         # The shadow checks' figures stay with the store's curve (shadow.py): they judge the guard in service,
         # whichever curve it ran.
         observed = engine.predictor.observed if engine.predictor is not None else None
-        # The HALF step's own curve (fidelity.Predictor.half), fitted as measured where it saw its share of flips:
-        # they are rare everywhere (0 to 3 in 192 calibration tokens), where one pseudo-flip doubles its estimate.
-        # But raised to expect at least half the flips bf16 throughout made on the same tokens (the step's first
-        # token is a bf16 prefill's, the rest decode on in float32, which flips about half as often: 21% of
-        # answers against 42%): fitted plain on none where bf16 made three, it predicted 0.008 differing answers
-        # where 0.167 did (SmolLM2, fidelity_holdout 1-24; research/half_curve.py, docs/method.md).
-        if half_steps[0]:
-            raised = max(0.0, sum(dtype_flips) / 2 - sum(half_steps[1]))
-            half = fidelity.fit(*half_steps, len(engine.documents), 1.0, pseudo_flips=raised)
-        else:
-            half = None
+        half = fit_half(*half_steps, dtype_flips, len(engine.documents)) if half_steps[0] else None
         predictor = dataclasses.replace(curves[0], half=half, observed=observed).with_others(curves[1:])
         _seed_routes(engine, predictor, ladders, margins_at, [len(answer) for answer in answers])
         engine.set_predictor(predictor)  # saved with the routes seeded
@@ -273,6 +263,19 @@ def _ladder(engine, level: str) -> tuple[float, ...]:
     """The budgets a request of `level` is repaired at: its own, then its ladder's escalations (repair/guard.py)."""
     settings = dataclasses.replace(engine.config.repair, fidelity=level)
     return settings.budget, *escalations(settings, engine.config.escalate_to)
+
+
+def fit_half(margins: Sequence[float], flipped: Sequence[bool], dtype_flips: Sequence[bool],
+             documents: int = 0) -> fidelity.Predictor:
+    """The HALF step's own curve (fidelity.Predictor.half) from what the step served at calibration's steps, fitted
+    as measured where it saw its share of flips: they are rare everywhere (0 to 4 in 192 calibration tokens), where
+    one pseudo-flip doubles its estimate. But raised to expect at least half the flips bf16 throughout made on the
+    same tokens (`dtype_flips`; the step's first token is a bf16 prefill's, the rest decode on in float32, which
+    flips about half as often: 21% of answers against 42%): fitted plain on none where bf16 made three, it predicted
+    0.008 differing answers where 0.167 did (SmolLM2, fidelity_holdout 1-24; research/half_curve.py,
+    docs/method.md)."""
+    raised = max(0.0, sum(dtype_flips) / 2 - sum(flipped))
+    return fidelity.fit(margins, flipped, documents, 1.0, pseudo_flips=raised)
 
 
 def _seed_routes(engine, predictor: fidelity.Predictor, ladders: dict[str, tuple[float, ...]],

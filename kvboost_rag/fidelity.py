@@ -138,8 +138,7 @@ class Observed:
         """The figures `to_json` wrote; ValueError unless every one is there, of its type, finite and not negative."""
         values = json.loads(text)
         kinds = {f.name: f.type for f in fields(cls)}
-        optional = {f"{floor}_{name}" for floor in FLOOR_NAMES for name in FLOOR_FIELDS}
-        if not isinstance(values, dict) or not set(kinds) - optional <= set(values) <= set(kinds):
+        if not isinstance(values, dict) or not set(kinds) - set(FLOOR_KEYS) <= set(values) <= set(kinds):
             raise ValueError(f"observed fidelity figures must be {sorted(kinds)}")
         for name, value in values.items():
             counted = kinds[name] == "int"
@@ -151,6 +150,7 @@ class Observed:
 
 FLOOR_NAMES = ("order", "dtype")  # Predictor.floors' order
 FLOOR_FIELDS = ("tokens", "predicted_flips", "observed_flips")  # Observed's per floor, named f"{floor}_{field}"
+FLOOR_KEYS = tuple(f"{floor}_{name}" for floor in FLOOR_NAMES for name in FLOOR_FIELDS)  # those fields' names
 
 
 def _flip_figures(tokens: int, predicted: float, observed: int) -> dict:

@@ -88,12 +88,12 @@ class Shadow:
         # budget (or guard.HALF: the HALF step's own curve) -> (margin, flipped)
         self.samples: dict[float | str, collections.deque[tuple[float, bool]]] = {}
         # checks, dropped, answers/answers_differ, predicted_risk (summed), tokens/flips (served tokens),
-        # predicted_flips (their summed chances), samples, refits; per floor "{floor}_tokens"/"{floor}_flips" (judged
-        # tokens where the floor ran, and where its token differs from full's)
+        # predicted_flips (their summed chances), samples, refits; per floor, under fidelity.Observed's names
+        # (fidelity.FLOOR_KEYS): the judged tokens where it ran, its curve's chances there summed, and where its token
+        # differs from full's
         self.counters: collections.Counter[str] = collections.Counter()
         self.predicted_risk = 0.0
         self.predicted_flips = 0.0
-        self.floor_predicted = dict.fromkeys(FLOORS, 0.0)  # the floors' curves' chances at those tokens, summed
         self._saved = fidelity.Observed()  # `observed()` when a refit last handed the engine a curve (see _learn)
         # Per curve (a budget's, or guard.HALF's), the one the engine had before this engine's checks refit it: it
         # counts in every refit as much as the tokens it was fitted on (fidelity.fit's prior), so that a few checks
@@ -162,11 +162,8 @@ class Shadow:
     def observed(self) -> fidelity.Observed:
         """`figures`' predicted against observed, as kept with a curve and reported by the bench."""
         c = self.counters
-        floors = {f"{floor}_{name}": value for floor in FLOORS for name, value in
-                  (("tokens", c[f"{floor}_tokens"]), ("predicted_flips", self.floor_predicted[floor]),
-                   ("observed_flips", c[f"{floor}_flips"]))}
         return fidelity.Observed(c["checks"], c["answers"], self.predicted_risk, c["answers_differ"], c["tokens"],
-                                 self.predicted_flips, c["flips"], **floors)
+                                 self.predicted_flips, c["flips"], **{key: c[key] for key in fidelity.FLOOR_KEYS})
 
     # ---- the thread --------------------------------------------------------------------------
 
@@ -259,8 +256,9 @@ class Shadow:
                     floor_flip = int(tops[judged.index]) != int(full_tops[judged.index])
                     curves.append(((floor, predictor.at(key).budget), floor_flip))
                     # Predicted by the floor's curve before this check refits it: out of sample, as the guard's are
-                    self.floor_predicted[floor] += _curve(before, curves[-1][0]).flip_chance(judged.margin)
-                    self.counters.update({f"{floor}_tokens": 1, f"{floor}_flips": floor_flip})
+                    predicted = _curve(before, curves[-1][0]).flip_chance(judged.margin)
+                    self.counters.update({f"{floor}_tokens": 1, f"{floor}_predicted_flips": predicted,
+                                          f"{floor}_observed_flips": floor_flip})
             for curve_key, curve_flip in curves:
                 self.samples.setdefault(curve_key, collections.deque(maxlen=MAX_SAMPLES)).append(
                     (judged.margin, curve_flip))

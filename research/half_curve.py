@@ -95,8 +95,7 @@ def candidates(cal: dict) -> dict:
     found["own, one pseudo-flip"] = fidelity.fit(margins, flips, pseudo_flips=1.0).flip_chance
     found["own, one pseudo-flip where it saw none"] = fidelity.fit(margins, flips,
                                                                    pseudo_flips=0.0 if any(flips) else 1.0).flip_chance
-    found["own, raised to half bf16's flips (shipped)"] = fidelity.fit(
-        margins, flips, pseudo_flips=max(0.0, sum(cal["dtype"]) / 2 - sum(flips))).flip_chance
+    found["own, raised to half bf16's flips (shipped)"] = calibrate.fit_half(margins, flips, cal["dtype"]).flip_chance
     found["own, three pseudo-flips"] = fidelity.fit(margins, flips, pseudo_flips=3.0).flip_chance
     return found
 

@@ -373,8 +373,8 @@ def test_metrics_count_what_was_served(client, engine, base_url, docs):
     assert _sample(after, "kvboost_shadow_checks") == engine.shadow.figures()["checks"]  # issue 41's online checks
     engine.routes.counters["skipped"] += 3  # the ladder's steps measured not to pay (repair/routes.py)
     assert _sample(_metrics(base_url), "kvboost_ladder_skipped") == engine.routes.counters["skipped"] >= 3
-    engine.shadow.counters.update(order_tokens=10, order_flips=2)  # as checks that ran the floors count them
-    engine.shadow.floor_predicted["order"] += 1.5
+    # as checks that ran the floors count them
+    engine.shadow.counters.update(order_tokens=10, order_predicted_flips=1.5, order_observed_flips=2)
     scraped, floors = _metrics(base_url), engine.shadow.figures()["floors"]
     for key in ("tokens", "predicted_flips", "observed_flips"):
         for floor in ("order", "dtype"):
