@@ -14,6 +14,8 @@ COLUMNS = [  # (key, header, format)
     ("agreement", "agree@16", "{:.3f}"),
     ("first_token_kl", "KL first", "{:.4f}"),
     ("continuation_kl", "KL cont", "{:.4f}"),
+    ("first_logit_gap", "max abs dlogit 1st (mean)", "{:.3f}"),
+    ("max_first_logit_gap", "(max)", "{:.3f}"),
     ("recompute_fraction", "recompute", "{:.3f}"),
     ("reuse_fraction", "reuse", "{:.3f}"),
     ("document_reuse", "doc tokens reused", "{:.3f}"),

@@ -8,7 +8,8 @@ each is compared with `full` on the same tokens:
 - accuracy: an expected answer appears in the output (case-insensitive), where answers exist.
 - agreement: the first `agree_tokens` generated tokens equal full's.
 - first_token_kl / continuation_kl: KL(full || strategy) at the first token, and averaged over
-  full's greedy output fed to both (teacher forcing): how far the cache is from the truth.
+  full's greedy output fed to both (teacher forcing): how far the cache is from the truth; first_logit_gap:
+  max |logit - full's logit| over the vocabulary at the first token (summarized as the mean and the max over items).
 - recompute_fraction / reuse_fraction: prompt tokens computed through every layer / reused.
 - the noise floor (with a `floor` engine: the same model in another dtype): a full prefill there, scored as
   the strategies are. No user can tell apart answers that differ less than a change of dtype makes them differ.
@@ -192,6 +193,7 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
             "agreement": float(sample.token_ids[:agree_tokens] == full.token_ids[:agree_tokens]),
             "first_token_kl": float(per_token[0]),
             "continuation_kl": float(per_token.mean()),
+            "first_logit_gap": float((sample.distributions[0] - full.distributions[0]).abs().max()),
             "recompute_fraction": sample.recomputed_tokens / sample.prompt_tokens,
             "reuse_fraction": sample.reused_tokens / sample.prompt_tokens,
             "prompt_tokens": sample.prompt_tokens,
@@ -211,11 +213,13 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
             "speedup": statistics.median(r["speedup"] for r in rows),
             "total_ms": statistics.median(r["total_ms"] for r in rows),
         }
-        for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "recompute_fraction",
-                    "reuse_fraction", "document_reuse", "prompt_tokens", "fidelity_estimate", "fell_back",
-                    "switched", "escalated", "halved", "differs"):
+        for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "first_logit_gap",
+                    "recompute_fraction", "reuse_fraction", "document_reuse", "prompt_tokens", "fidelity_estimate",
+                    "fell_back", "switched", "escalated", "halved", "differs"):
             values = [r[key] for r in rows if key in r]
             entry[key] = statistics.fmean(values) if values else None
+        gaps = [r["first_logit_gap"] for r in rows if "first_logit_gap" in r]
+        entry["max_first_logit_gap"] = max(gaps) if gaps else None
         # The guard's estimates against what happened, as the shadow checks report them (fidelity.Observed).
         guarded = [r for r in rows if r.get("guarded")]
         observed = fidelity.Observed(answers=len(guarded),

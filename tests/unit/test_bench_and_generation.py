@@ -86,6 +86,12 @@ def test_the_bench_scores_a_noise_floor_row_as_it_scores_the_strategies(make_tin
     # Another dtype, the same weights: near full, but not full itself; no reuse at all.
     assert 0 < rows["full (bfloat16)"]["first_token_kl"] < 0.05
     assert rows["full (bfloat16)"]["reuse_fraction"] == 0
+    # The first token's max |dlogit| against full: none for full itself, some for bf16 and naive; the max over items
+    # at least their mean.
+    assert rows["full"]["first_logit_gap"] == rows["full"]["max_first_logit_gap"] == 0
+    for label in ("naive", "full (bfloat16)"):
+        assert 0 < rows[label]["first_logit_gap"] <= rows[label]["max_first_logit_gap"]
+    assert max(item["naive"]["first_logit_gap"] for item in report["per_item"]) == rows["naive"]["max_first_logit_gap"]
 
 
 def test_the_bench_scores_an_order_floor_row_on_the_documents_reversed(make_tiny_engine, docs):
