@@ -283,3 +283,33 @@ def test_package_pages_are_the_packages_own_text():
         for doc in item.documents:
             assert re.search(r"^Name: \S+$", doc, re.M) and re.search(r"^Version: \S+$", doc, re.M), item.id
             assert not re.search(r"^Name: (kvboost|langchain-kvboost|llama-index-llms-kvboost)", doc, re.M)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Held-out set of real text (research/data/man_pages.jsonl): the system's manual pages as `man` renders them; nothing
+# may be tuned on it. The file is the set (it depends on what is installed), so its rules are checked.
+
+
+MAN_PAGES = Path(__file__).resolve().parents[2] / "research" / "data" / "man_pages.jsonl"
+
+
+def test_man_pages_answers_are_in_their_own_page_only():
+    items = load_items(MAN_PAGES)
+    assert len(items) == 64
+    assert Counter(item.id.split("-")[2] for item in items) == {q: 16 for q in ("option", "long", "reverse", "author")}
+    for item in items:
+        assert 4 <= len(item.documents) <= 8 and len(item.answers) == 1
+        answer = item.answers[0].casefold()
+        where = [j for j, doc in enumerate(item.documents) if answer in doc.casefold()]
+        assert where == [item.answer_doc], item.id
+        if item.id.split("-")[2] in ("option", "long"):  # a long option, named in its page as an option line
+            assert re.fullmatch(r"--[a-z][a-z0-9-]+", item.answers[0]), item.id
+            assert re.search(rf"^\s*(-\w, )?{re.escape(item.answers[0])}\b", item.documents[item.answer_doc], re.M)
+
+
+def test_man_pages_are_rendered_pages_cut_at_a_line_end():
+    # Every page starts with its NAME section as man renders it ("command - summary"), in ASCII, not rewritten.
+    for item in load_items(MAN_PAGES):
+        for doc in item.documents:
+            assert re.match(r"NAME\n\S+ - \S", doc), item.id
+            assert doc.isascii() and doc == doc.rstrip() and "\n\n\n" not in doc, item.id
