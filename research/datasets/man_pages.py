@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
 import random
 import re
@@ -35,6 +34,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from package_pages import item_row, write_set  # noqa: E402  (a sibling script, not a package)
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "research" / "data" / "man_pages.jsonl"
@@ -228,11 +230,8 @@ def make_item(i: int, all_pages: list[Page], count: Callable[[str], int], seed: 
         user = "\n\n".join(docs) + f"\n\nQuestion: {question}"
         if not USER_TOKENS[0] <= count(user) <= USER_TOKENS[1]:
             continue
-        item = {"id": f"mp{seed}-{i:03d}-{qtype}-{'alike' if alike else 'mixed'}", "documents": docs,
-                "question": question, "answers": [answer], "answer_doc": pos}
-        if (system := SYSTEMS[i % len(SYSTEMS)]) is not None:
-            item = {"id": item["id"], "system": system, **{k: v for k, v in item.items() if k != "id"}}
-        return item
+        return item_row(f"mp{seed}-{i:03d}-{qtype}-{'alike' if alike else 'mixed'}", SYSTEMS[i % len(SYSTEMS)], docs,
+                        question, answer, pos)
     raise RuntimeError(f"could not draw item {i}")
 
 
@@ -246,8 +245,7 @@ def main() -> None:
 
     count, all_pages = bundled_counter(), pages(random.Random(f"man_pages:{SEED}"))
     print(f"{len(all_pages)} manual pages, {len({p.source for p in all_pages})} sources", file=sys.stderr)
-    rows = [make_item(i, all_pages, count, SEED) for i in range(args.items)]
-    args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    write_set(args.out, [make_item(i, all_pages, count, SEED) for i in range(args.items)])
     print(summarize(args.out))
 
 

@@ -161,12 +161,20 @@ def make_item(i: int, all_pages: list[Page], count: Callable[[str], int], seed: 
         user = "\n\n".join(docs) + f"\n\nQuestion: {question}"
         if not USER_TOKENS[0] <= count(user) <= USER_TOKENS[1]:
             continue
-        item = {"id": f"pp{seed}-{i:03d}-{qtype}-{'alike' if alike else 'mixed'}", "documents": docs,
-                "question": question, "answers": [answer], "answer_doc": pos}
-        if (system := SYSTEMS[i % len(SYSTEMS)]) is not None:
-            item = {"id": item["id"], "system": system, **{k: v for k, v in item.items() if k != "id"}}
-        return item
+        return item_row(f"pp{seed}-{i:03d}-{qtype}-{'alike' if alike else 'mixed'}", SYSTEMS[i % len(SYSTEMS)], docs,
+                        question, answer, pos)
     raise RuntimeError(f"could not draw item {i}")
+
+
+def item_row(item_id: str, system: str | None, docs: list[str], question: str, answer: str, pos: int) -> dict:
+    """An item as the real-text sets write it (also man_pages.py): no "system" key where there is none, since the
+    loader refuses an empty one."""
+    return {"id": item_id, **({"system": system} if system is not None else {}), "documents": docs,
+            "question": question, "answers": [answer], "answer_doc": pos}
+
+
+def write_set(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
 
 
 def main() -> None:
@@ -179,8 +187,7 @@ def main() -> None:
 
     count, all_pages = bundled_counter(), pages(args.site)
     print(f"{len(all_pages)} package pages in {args.site}", file=sys.stderr)
-    rows = [make_item(i, all_pages, count, SEED) for i in range(N_ITEMS)]
-    args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    write_set(args.out, [make_item(i, all_pages, count, SEED) for i in range(N_ITEMS)])
     print(summarize(args.out))
 
 
