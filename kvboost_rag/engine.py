@@ -180,6 +180,7 @@ class KVBoost:
         self.shadow = shadow.Shadow(self, config.shadow_share, config.shadow_share_young, config.shadow_queue)
         # Which steps of the guard's ladder pay for themselves on this machine (repair/routes.py), as last saved.
         self.routes = routes.restored(self.predictor and self.predictor.routes, enabled=config.ladder_costs)
+        self.accounts = {level: fidelity.Account(config.floor_credit) for level in ("balanced", "strict")}
         self._half: ModelAdapter | bool | None = None  # the model in bf16 (half_adapter); False: there is none
 
     @classmethod
@@ -376,7 +377,7 @@ class KVBoost:
             builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock, self.routes,
                                     self.half_adapter)
             policy = guard.policy(chosen, settings, p, self.predictor, self.config.store.kv_bits,
-                                  self.config.escalate_to)
+                                  self.config.escalate_to, self.accounts)
             built, watch, served = guard.start(builder, policy)
             ttft_ms = _elapsed_ms(started, built.logits)
             if write_back and (chosen.reuse_exact or chosen.reuse_content):

@@ -76,6 +76,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, repair: bool = True) 
                    help="how the prompts ingestion calibrates on lay out the documents and a question: as your "
                         "application does (the bench's, LangChain's, LlamaIndex's, in tags)")
     if repair:
+        add_config_option(g, EngineConfig, "floor_credit", type=float)
         add_repair_options(parser)
 
 
@@ -129,6 +130,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             repair=repair,
             store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
             calibration_layout=getattr(args, "calibration_layout", EngineConfig.calibration_layout),
+            floor_credit=getattr(args, "floor_credit", EngineConfig.floor_credit),
         )
         resolve_device(config.device)  # "cuda" on a machine without one is refused here, before anything is read
         return config

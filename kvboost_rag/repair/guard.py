@@ -213,6 +213,8 @@ class Policy:
     fidelity: str | float  # the request's level: a floor's curve, or a fixed risk per answer (fidelity.target_for)
     budget: float  # the request's own recompute budget
     escalations: tuple[float, ...]  # the larger budgets tried, in order, before a full prefill
+    # The level's floor risk lent by earlier answers (fidelity.Account); None: the answer is held to its own floor
+    account: fidelity.Account | None = None
 
     def curve(self, budget: float) -> fidelity.Predictor:
         return self.predictor.at(budget)
@@ -262,16 +264,18 @@ def escalations(settings: RepairConfig, ceiling: float) -> tuple[float, ...]:
 
 
 def policy(strategy: Strategy, settings: RepairConfig, plan: Plan, predictor: fidelity.Predictor | None,
-           kv_bits: int, escalate_to: float) -> Policy | None:
+           kv_bits: int, escalate_to: float, accounts: dict[str, fidelity.Account] | None = None) -> Policy | None:
     """The guard a request runs under; None when it runs unguarded: a strategy the guard does not watch, or a cache
-    that is exact (nothing reused, or exact hits kept at full precision)."""
+    that is exact (nothing reused, or exact hits kept at full precision). `accounts`: the engine's, per level; a
+    level lends only to itself, `strict`'s dtype floor is not paid for by `balanced`'s order floor."""
     if not strategy.guarded:
         return None
     content_hits = plan.count(APPROX) > 0
     if not content_hits and not (kv_bits < 16 and plan.count(EXACT) > 0):
         return None
+    account = (accounts or {}).get(settings.fidelity) if isinstance(settings.fidelity, str) else None
     return Policy(predictor or fidelity.DEFAULT_PREDICTOR, settings.fidelity, settings.budget,
-                  escalations(settings, escalate_to) if content_hits else ())
+                  escalations(settings, escalate_to) if content_hits else (), account)
 
 
 class Watch:
@@ -281,12 +285,17 @@ class Watch:
                  judged: Sequence[Judged] = ()):
         self.policy, self.builder, self.served, self.judged = policy, builder, list(served), list(judged)
         last = self.served[-1]
-        self._guard = fidelity.Guard(*policy.judged_by(last.step, last.budget), policy.minimum)
+        self._guard = fidelity.Guard(*policy.judged_by(last.step, last.budget), policy.minimum, policy.account)
         self._guard.survive = 1.0 - risk
         for j in self.judged:  # the floor's risk over the tokens served so far, as the prefill's guard ran it
             floor = policy.judged_by(j.step, j.budget)[1]
             if j.served and isinstance(floor, fidelity.Predictor):
                 self._guard.floor_survive *= 1.0 - floor.flip_chance(j.margin)
+        # What the prefill borrowed for its first token: exactly what it was short then, the only token it judged.
+        # Spent by the prefill, not returned here: a prefill may be decoded more than once.
+        self._guard.borrowed = max(0.0, self._guard.risk - self._guard.allowed) if policy.account is not None else 0.0
+        if last.step == FULL:
+            self._guard.target = policy.target
         self._next = sum(j.served for j in self.judged)  # the answer token judged next: one per trusted judgment
 
     @property
@@ -301,8 +310,11 @@ class Watch:
 
     def trusts(self, logits: torch.Tensor) -> bool:
         """Whether the next token may come from the cache whose next-token logits [V] these are (its risk is then
-        counted in)."""
-        return self.exact or self._judge(logits, self.served[-1].budget, self.served[-1].step)
+        counted in). From an exact cache, always: only the floor's risk over the token is counted (Guard.passes)."""
+        if self.exact:
+            self._guard.passes(fidelity.margin(logits))
+            return True
+        return self._judge(logits, self.served[-1].budget, self.served[-1].step)
 
     def step(self, budget: float, step: str = REPAIR) -> tuple[str, str, float]:
         """The ladder step `step` of a cache repaired at `budget`, as repair/routes.py keeps its record: a repair's
@@ -333,8 +345,9 @@ class Watch:
         return self.builder.routes is not None and not (step == HALF and first_token > 0)
 
     def finish(self) -> None:
-        """The answer is complete: the cache serving it held to the end."""
+        """The answer is complete: the cache serving it held to the end; the level's account is settled."""
         self._outcome(True)
+        self._guard.settle()
 
     def _outcome(self, held: bool) -> None:
         last = self.served[-1]
@@ -386,6 +399,8 @@ class Watch:
                 return built
         built = self.builder.exact(answer)
         self.served.append(Served(first, FULL, 1.0, built.recomputed_tokens))
+        self._guard.target = self.policy.target  # the floor the exact tokens count towards (Guard.passes)
+        self._guard.passes(fidelity.margin(built.logits))
         return built
 
 
@@ -410,8 +425,9 @@ def start(builder: Builder, guard: Policy | None) -> tuple[Built, Watch | None, 
 def resume(guard: Policy | None, builder: Builder | None, served: Sequence[Served], risk: float,
            judged: Sequence[Judged] = ()) -> Watch | None:
     """The guard of a stream decoding from a prefill that `start` left at `served` and `risk`; None when nothing
-    is left to guard (unguarded, or on a full prefill already). A new Watch per stream: a prefill may be decoded
-    more than once."""
-    if guard is None or builder is None or served[-1].step == FULL:
+    is left to guard (unguarded, or on a full prefill already, unless the level is held on average: the floor's
+    risk over the exact tokens is then counted, see fidelity.Account). A new Watch per stream: a prefill may be
+    decoded more than once."""
+    if guard is None or builder is None or (served[-1].step == FULL and guard.account is None):
         return None
     return Watch(guard, builder, served, risk, judged)

@@ -488,3 +488,82 @@ def test_the_routes_go_with_the_curves_to_the_next_engine(calibrated, make_tiny_
     with pytest.warns(UserWarning, match="saved routes"):
         fresh = make_tiny_engine(EngineConfig(store=StoreConfig(disk_dir=tmp_path)), guarded=True)
     assert fresh.predictor is not None and not fresh.routes._trusted
+
+
+# ---- levels held on average (fidelity.Account) ------------------------------------------------------------------
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def _held(account: fidelity.Account | None, order_slope: float = -1.0) -> fidelity.Guard:
+    """A guard whose tokens at margin 0.4 flip 40% of the time, held to an order floor that flips 10% there."""
+    ours = fidelity.Predictor(_logit(0.4) + 0.4, -1.0)
+    order = fidelity.Predictor(_logit(0.1) - 0.4 * order_slope, order_slope)
+    return fidelity.Guard(ours, order, account=account)
+
+
+def test_an_answer_past_its_floor_borrows_what_answers_before_it_left_unspent():
+    account = fidelity.Account(cap=2.0)
+    assert not _held(account).admits(0.4) and account.credit == 0  # nothing lent yet: held to its own floor
+    exact = _held(account)
+    for _ in range(16):  # an answer served exactly: it risks nothing, its floor would have risked 1 - 0.9^16
+        exact.passes(0.4)
+    exact.settle()
+    assert account.credit == pytest.approx(fidelity.LEND * (1 - 0.9 ** 16), rel=1e-3)
+    before = account.credit
+    lent = _held(account)
+    assert lent.admits(0.4) and lent.risk == pytest.approx(0.4, rel=1e-3)
+    assert account.credit == pytest.approx(before - 0.3, rel=1e-3) and account.loans == 1  # 0.4 against 0.1
+    assert not lent.admits(0.4)  # 0.64 against 0.19: short 0.15 more than was left
+    lent.settle()  # it ends 0.3 past its floor: nothing comes back, nothing is lent on
+    assert account.credit == pytest.approx(before - 0.3, rel=1e-3)
+    # Without an account, or with a fixed target, no loan: the answer is held to its own allowance.
+    assert not _held(None).admits(0.4)
+    fixed = fidelity.Guard(fidelity.Predictor(0.0, -1.0), 0.1, account=fidelity.Account(cap=2.0, credit=2.0))
+    assert not fixed.admits(0.4) and fixed.account.loans == 0
+
+
+def test_a_loan_the_answer_no_longer_needs_is_returned_and_the_credit_is_capped():
+    account = fidelity.Account(cap=0.5, credit=0.5)
+    guard = _held(account, order_slope=-0.2)  # a flatter floor: at large margins it flips more than the repair
+    assert guard.admits(0.4) and account.credit == pytest.approx(0.2, rel=1e-3)
+    for _ in range(40):  # sure tokens: the floor's allowance catches up with the answer's risk
+        assert guard.admits(5.0)
+    assert guard.allowed > guard.risk
+    guard.settle()  # the 0.3 comes back, and half of what it left, up to the cap
+    assert account.credit == pytest.approx(0.5) and account.borrowed == pytest.approx(0.3, rel=1e-3)
+    with pytest.raises(ConfigError, match="floor_credit"):
+        EngineConfig(floor_credit=-1.0)
+
+
+def test_a_level_held_on_average_keeps_its_answers_summed_risk_under_its_floors():
+    """Answers of 16 tokens at random margins, each served from the reused cache while its guard trusts it, else
+    exactly from there on: with an account, more of them are served from the reused cache than answer by answer,
+    and their summed risk stays under the floor's summed risk over the same tokens, by what was not lent."""
+    ours, order = fidelity.Predictor(0.0, -1.5), fidelity.Predictor(-1.0, -0.5)  # the floor flatter: above at 1.3+
+    generator = torch.Generator().manual_seed(3)
+
+    def serve(account):
+        risk = floor = 0.0
+        served = 0
+        for _ in range(300):
+            guard = fidelity.Guard(ours, order, account=account)
+            margins = (torch.rand(16, generator=generator) * 6).tolist()
+            exact = False
+            for m in margins:
+                if exact:
+                    guard.passes(m)
+                elif not guard.admits(m):
+                    exact = True
+                    guard.passes(m)
+            served += not exact
+            guard.settle()
+            risk, floor = risk + guard.risk, floor + 1 - guard.floor_survive
+        return risk, floor, served
+
+    alone = serve(None)
+    held = serve(fidelity.Account(cap=2.0))
+    assert held[2] > alone[2] * 1.2  # more answers served from the reused cache
+    assert alone[0] < held[0] <= held[1]  # their risk grows, and stays under the floor's

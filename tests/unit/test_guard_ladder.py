@@ -325,3 +325,30 @@ def _counting(method, calls: list):
         calls.append(args)
         return method(self, *args, **kwargs)
     return counted
+
+
+def test_a_level_held_on_average_serves_from_the_repair_what_an_exact_answer_left_of_its_floor(make_tiny_engine,
+                                                                                                 prompt):
+    """An answer the repair is less sure of than the order floor moves to an exact cache while its level's account
+    is empty; served exactly, it lends on part of the floor's risk over its tokens, and the next such answer is
+    served from the repair on it. `strict` borrows nothing from `balanced`; floor_credit=0 holds every answer."""
+    curves = floored(constant(0.3), order=0.1, dtype=NEVER)  # 30% a token at every budget, the order floor 10%
+    curves = dataclasses.replace(curves, half=None)  # no bf16 step: a refused repair goes to a full prefill
+    engine = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0), guarded=True)
+    engine.ingest(corpus())
+    engine.predictor = curves
+    first = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False)
+    assert first.served[0].step == FULL and first.fidelity_estimate == 0.0
+    account = engine.accounts["balanced"]
+    assert account.credit > 0.15 and account.loans == 0  # 30% against max(10%, BALANCED's 15%): short 0.15
+    second = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False)
+    assert second.served[0].step == REPAIR and account.loans >= 1
+    strict = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False,
+                             repair=RepairConfig(fidelity="strict"))
+    assert strict.served[0].step == FULL and engine.accounts["strict"].loans == 0
+    held = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0, floor_credit=0.0),
+                            guarded=True)
+    held.ingest(corpus())
+    held.predictor = curves
+    answers = [held.generate(prompt, max_new_tokens=TOKENS, write_back=False) for _ in range(2)]
+    assert [a.served[0].step for a in answers] == [FULL, FULL] and held.accounts["balanced"].credit == 0.0
