@@ -262,10 +262,10 @@ class EngineConfig:
                                  "float32, for a float32 engine where bf16 runs natively (a CPU with bf16 "
                                  "instructions, a GPU): its answers differ from float32's as often as the dtype "
                                  "floor strict is held to, and it runs ~1.6x faster on such a CPU")
-    # A level's floor is a rate over answers (fidelity.Account): the unspent floor risk of answers lent to later ones.
-    floor_credit: float = knob(2.0, "answers' worth of floor risk that answers which ran less than their fidelity "
-                                    "level's floor may lend to later ones which would pass it, so that a level is held "
-                                    "on average rather than answer by answer (0 = every answer held to its own floor)")
+    # A floor is a rate over answers (fidelity.Account): the unspent floor risk of answers lent to later ones.
+    floor_credit: float = knob(2.0, "answers' worth of floor risk that 'balanced' answers which ran less than their "
+                                    "floor may lend to later ones which would pass it, so that the level is held on "
+                                    "average rather than answer by answer (0 = every answer held to its own floor)")
     ladder_costs: bool = knob(True, "skip a step of the fidelity guard's ladder (a repair, an escalation) whose "
                                     "cache the guard trusts less often than the step's measured cost as a share of a "
                                     "full prefill's: it would cost more than it saves")

@@ -180,7 +180,7 @@ class KVBoost:
         self.shadow = shadow.Shadow(self, config.shadow_share, config.shadow_share_young, config.shadow_queue)
         # Which steps of the guard's ladder pay for themselves on this machine (repair/routes.py), as last saved.
         self.routes = routes.restored(self.predictor and self.predictor.routes, enabled=config.ladder_costs)
-        self.accounts = {level: fidelity.Account(config.floor_credit) for level in ("balanced", "strict")}
+        self.accounts = {"balanced": fidelity.Account(config.floor_credit)}  # levels held on average (fidelity.py)
         self._half: ModelAdapter | bool | None = None  # the model in bf16 (half_adapter); False: there is none
 
     @classmethod

@@ -36,14 +36,15 @@ a conservative one.
 
 A floor is a rate over answers, and holding every answer to it is stricter than the rate: an answer whose first
 token the reused cache is less sure of than the floor moves to an exact cache even where the answers before it
-ran far less risk than theirs. So a level is held on average too (`Account`, one per level and engine): what an
-answer leaves of its floor's risk when it completes (its floor's risk over all its tokens, those served exactly
-included, less its own) is lent on, a share LEND of it, up to EngineConfig.floor_credit answers' worth, and a later
-answer whose risk would pass its own allowance borrows the difference instead of moving, while there is some. The
-summed risk of a level's answers then stays under its floors' summed risk, by what is not lent. On Gemma 3 270M
-and manual pages, where the per-answer rule moved 83% of the answers to a bf16 prefill before their first token
-while the repair alone agreed with full as often as the order floor did, that rule bought 0.95 where 0.52 was asked
-(docs/method.md).
+ran far less risk than theirs. So `balanced` is held on average too (`Account`, one per engine): what an answer
+leaves of its floor's risk when it completes (the floor's risk over all its tokens, those served exactly included,
+less its own) is lent on, a share LEND of it, up to EngineConfig.floor_credit answers' worth, and a later answer
+whose risk would pass its own allowance borrows the difference instead of moving, while there is some. The summed
+risk of the answers then stays under the floor's summed risk, by what is not lent. On Gemma 3 270M and manual
+pages, where the per-answer rule moved 83% of the answers to a bf16 prefill before their first token (1.70x, 0.95
+of the answers full's where the order floor keeps 0.52), held on average it moves 36% (2.84x, 0.66; docs/method.md).
+`strict` is held answer by answer: its floor, bf16's, changes one answer in tens, so there is next to nothing to
+lend, and what was lent there cost one answer more than the floor changed (the same run: 1.71x against 1.67x).
 
 Predicted against observed (`Observed`): the shadow checks' figures (the answers' summed risks against those that
 differed from a full prefill's; the served tokens' summed flip chances against the flips; each floor's curve, at the
@@ -238,8 +239,8 @@ def target_for(fidelity: str | float, curve: Predictor) -> float | Predictor | N
 
 @dataclass
 class Account:
-    """A level's floor risk left unspent by the answers before, lent to those that would pass theirs (see the
-    module's docstring): one per level and engine, in memory, empty at start. Thread-safe: requests borrow from
+    """The floor risk left unspent by a level's answers before, lent to those that would pass theirs (see the
+    module's docstring): `balanced`'s, one per engine, in memory, empty at start. Thread-safe: requests borrow from
     several threads. `cap`: the most it holds, in answers' worth of risk (EngineConfig.floor_credit; 0 lends
     nothing), so that a run of easy answers cannot pay for a burst of hard ones beyond it."""
 

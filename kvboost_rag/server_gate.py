@@ -116,6 +116,15 @@ class ServerMetrics:
                               ("explored", "such steps tried anyway, now and then, to follow what is asked")):
                 Gauge(f"kvboost_ladder_{key}", what, registry=registry).set_function(
                     lambda key=key: routes.counters[key])
+        accounts = getattr(engine, "accounts", None)
+        if accounts:  # the levels held on average (fidelity.Account): floor risk lent from answer to answer
+            for key, what in (("credit", "floor risk the level's answers left unspent, to lend now"),
+                              ("loans", "tokens served from a reused cache on floor risk lent by earlier answers"),
+                              ("borrowed", "the floor risk those loans took, summed")):
+                gauge = Gauge(f"kvboost_floor_credit_{key}", f"{what}, by fidelity level", ["level"],
+                              registry=registry)
+                for level, account in accounts.items():
+                    gauge.labels(level).set_function(lambda key=key, account=account: account.figures()[key])
         if hasattr(engine.store, "nbytes"):  # every store make_store builds; a custom KVStore may not say
             store = engine.store
             Gauge("kvboost_store_bytes", "Bytes of KV held in the engine store's memory tier",

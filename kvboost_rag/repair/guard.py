@@ -266,8 +266,8 @@ def escalations(settings: RepairConfig, ceiling: float) -> tuple[float, ...]:
 def policy(strategy: Strategy, settings: RepairConfig, plan: Plan, predictor: fidelity.Predictor | None,
            kv_bits: int, escalate_to: float, accounts: dict[str, fidelity.Account] | None = None) -> Policy | None:
     """The guard a request runs under; None when it runs unguarded: a strategy the guard does not watch, or a cache
-    that is exact (nothing reused, or exact hits kept at full precision). `accounts`: the engine's, per level; a
-    level lends only to itself, `strict`'s dtype floor is not paid for by `balanced`'s order floor."""
+    that is exact (nothing reused, or exact hits kept at full precision). `accounts`: the engine's, per level held
+    on average (fidelity.Account); a level borrows only from its own, and one without is held answer by answer."""
     if not strategy.guarded:
         return None
     content_hits = plan.count(APPROX) > 0

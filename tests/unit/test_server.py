@@ -380,6 +380,14 @@ def test_metrics_count_what_was_served(client, engine, base_url, docs):
         for floor in ("order", "dtype"):
             assert _sample(scraped, f"kvboost_shadow_floor_{key}", floor=floor) == floors[floor][key]
     assert floors["order"]["tokens"] >= 10 and floors["order"]["predicted_flips"] >= 1.5
+    # the floor risk a level's answers lend on (fidelity.Account)
+    engine.accounts["balanced"].repay(0.0, 1.0)
+    assert engine.accounts["balanced"].borrow(0.2)
+    scraped = _metrics(base_url)
+    for key in ("credit", "loans", "borrowed"):
+        for level, account in engine.accounts.items():
+            assert _sample(scraped, f"kvboost_floor_credit_{key}", level=level) == account.figures()[key]
+    assert _sample(scraped, "kvboost_floor_credit_loans", level="balanced") >= 1
 
 
 def test_each_app_keeps_its_own_metrics(engine):
