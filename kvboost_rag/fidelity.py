@@ -276,15 +276,15 @@ class Guard:
     curve (the risk the floor would run over the same tokens, accumulated alongside); `minimum`: a risk per answer
     always allowed, so that a floor measured on few calibration prompts, which may have changed nothing, never
     holds a level tighter than its fixed target (BALANCED, STRICT). `account`: the level's, which a token past the
-    floor's allowance borrows the difference from (held on average); None: every answer held to its own floor.
-    `borrowed`: what the request borrowed before this guard (a prefill's guard, for the stream decoding from it)."""
+    floor's allowance borrows the difference from (held on average); None: every answer held to its own floor."""
 
     def __init__(self, predictor: Predictor, target: float | Predictor, minimum: float = 0.0,
-                 account: Account | None = None, borrowed: float = 0.0):
+                 account: Account | None = None):
         self.predictor, self.target, self.minimum, self.account = predictor, target, minimum, account
         self.survive = 1.0  # chance the answer so far equals a full prefill's
         self.floor_survive = 1.0  # the same for the floor, over the same tokens
-        self.borrowed = borrowed  # from the account, in all
+        # From the account, in all: a stream's guard starts with what its prefill's borrowed (repair/guard.Watch)
+        self.borrowed = 0.0
         self._borrowed_here = 0.0  # of it, by this guard: what `settle` may return
 
     @property
