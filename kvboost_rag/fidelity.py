@@ -267,7 +267,7 @@ class Account:
 
     def figures(self) -> dict:
         with self._lock:
-            return {"credit": self.credit, "loans": self.loans, "borrowed": self.borrowed}
+            return {"cap": self.cap, "credit": self.credit, "loans": self.loans, "borrowed": self.borrowed}
 
 
 class Guard:
@@ -295,9 +295,10 @@ class Guard:
     def allowed(self) -> float:
         """The risk the answer may run on its own: its floor's over the same tokens (at least `minimum`), or the
         fixed target."""
-        if isinstance(self.target, Predictor):
-            return max(1.0 - self.floor_survive, self.minimum)
-        return self.target
+        return self._allowed(self.floor_survive)
+
+    def _allowed(self, floor_survive: float) -> float:
+        return max(1.0 - floor_survive, self.minimum) if isinstance(self.target, Predictor) else self.target
 
     def trusts(self, logits: torch.Tensor) -> bool:
         return self.admits(margin(logits))
@@ -307,8 +308,7 @@ class Guard:
         p = self.predictor.flip_chance(token_margin)
         q = self.target.flip_chance(token_margin) if isinstance(self.target, Predictor) else 0.0
         floor_survive = self.floor_survive * (1.0 - q)
-        allowed = max(1.0 - floor_survive, self.minimum) if isinstance(self.target, Predictor) else self.target
-        short = 1.0 - self.survive * (1.0 - p) - allowed - self.borrowed  # beyond its allowance and its loans
+        short = 1.0 - self.survive * (1.0 - p) - self._allowed(floor_survive) - self.borrowed  # past allowance, loans
         if short > 0 and not self._borrow(short):
             return False
         self.survive *= 1.0 - p

@@ -50,11 +50,11 @@ def table(report: dict) -> str:
         lines.append(f"{row['floor'].capitalize()} floor at budget {row['budget']:g}: {row['flips']} of "
                      f"{row['samples']} checked tokens differ from full's; calibrated curve expected "
                      f"{row.get('expected_before', math.nan):.1f}, refit {row['expected_now']:.1f}")
-    credit = report.get("floor_credit")
-    if credit and credit["cap"] > 0:  # the levels held on average (fidelity.Account)
-        lines.append("Held on average (credit cap " + f"{credit['cap']:g}): " + "; ".join(
-            f"{level} {c['loans']} loans, {c['borrowed']:.2f} of floor risk, {c['credit']:.2f} left"
-            for level, c in credit.items() if level != "cap"))
+    held = {level: c for level, c in (report.get("floor_credit") or {}).items() if c["cap"] > 0}
+    if held:  # the levels held on average (fidelity.Account)
+        lines.append("Held on average: " + "; ".join(
+            f"{level} {c['loans']} loans, {c['borrowed']:.2f} of floor risk, {c['credit']:.2f} left of {c['cap']:g}"
+            for level, c in held.items()))
     return title + "\n\n" + "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ each is compared with `full` on the same tokens:
   floors_checked: the floors those checks measured (another order, bf16) against what the curves calibrated at
   ingestion expected, and the refit ones (shadow.Shadow.floor_figures).
 - floor_credit: per level held on average (fidelity.Account), the loans of floor risk its answers took from
-  the answers before them, their sum and the credit left at the end; the cap (EngineConfig.floor_credit).
+  the answers before them, their sum, the credit left at the end and its cap (EngineConfig.floor_credit).
 
 A strategy spec is a name with optional repair overrides: "cacheblend:recompute_ratio=0.3,taper=1".
 """
@@ -291,6 +291,5 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
     shadow = engine.shadow.observed() - checked
     report["shadow_checks"] = shadow.figures() if shadow.checks else None
     report["floors_checked"] = engine.shadow.floor_figures(calibrated) if shadow.checks else None
-    report["floor_credit"] = {"cap": engine.config.floor_credit,
-                              **{level: account.figures() for level, account in engine.accounts.items()}}
+    report["floor_credit"] = {level: account.figures() for level, account in engine.accounts.items()}
     return report

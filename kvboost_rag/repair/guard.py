@@ -228,7 +228,10 @@ class Policy:
     def judged_by(self, step: str, budget: float) -> tuple[fidelity.Predictor, float | fidelity.Predictor]:
         """The curve a cache of `step` at `budget` is judged by, and the target it is held to. A HALF cache's
         tokens are the dtype floor's own, so at `strict`, held to that floor, they are held to themselves: trusted
-        unless the tokens before them took more than their share."""
+        unless the tokens before them took more than their share. A FULL cache risks nothing; its tokens count
+        towards the request's own floor (fidelity.Guard.passes)."""
+        if step == FULL:
+            return self.curve(self.budget), self.target
         if step == HALF:
             return self.half_curve, self.half_curve if self.fidelity == "strict" else self.target
         return self.curve(budget), self.target_at(budget)
@@ -294,8 +297,6 @@ class Watch:
         # What the prefill borrowed for its first token: exactly what it was short then, the only token it judged.
         # Spent by the prefill, not returned here: a prefill may be decoded more than once.
         self._guard.borrowed = max(0.0, self._guard.risk - self._guard.allowed) if policy.account is not None else 0.0
-        if last.step == FULL:
-            self._guard.target = policy.target
         self._next = sum(j.served for j in self.judged)  # the answer token judged next: one per trusted judgment
 
     @property
@@ -399,7 +400,7 @@ class Watch:
                 return built
         built = self.builder.exact(answer)
         self.served.append(Served(first, FULL, 1.0, built.recomputed_tokens))
-        self._guard.target = self.policy.target  # the floor the exact tokens count towards (Guard.passes)
+        self._guard.predictor, self._guard.target = self.policy.judged_by(FULL, 1.0)
         self._guard.passes(fidelity.margin(built.logits))
         return built
 
