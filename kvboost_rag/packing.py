@@ -135,9 +135,15 @@ def packed_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether weights of `dtype` on `device` are packed: bf16 on a CPU whose oneDNN runs bf16, where the probe
-    (a packed linear against F.linear, bit for bit) passes."""
+    """Whether weights of `dtype` on `device` are packed: bf16 on a CPU with bf16 instructions whose oneDNN runs
+    bf16, where the probe (a packed linear against F.linear, bit for bit) passes. A CPU without them (an Intel Xeon
+    with AVX-512 but no avx512_bf16) has oneDNN emulate bf16 on both paths, which then round apart: the probe's
+    small shapes agree there, a 64 x 49152 LM head does not; and emulated bf16 is never the fast path anyway."""
+    from .models import native_matmuls  # models imports this module at load
+
     if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    if not native_matmuls(dtype, device):
         return False
     try:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
