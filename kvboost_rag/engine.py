@@ -449,7 +449,7 @@ class KVBoost:
         logits, position, finish, cache = pre.logits, pre.prompt_tokens, "length", pre.cache
         # The guard goes on where the prefill left it: every token from a reused cache adds its risk, and before one
         # would pass the target the request climbs its ladder (repair/guard.py) to a cache it can trust.
-        watch = guard.resume(pre.policy, pre.builder, pre.served, pre.risk, pre.judged)
+        watch = guard.resume(pre.policy, pre.builder, pre.served, pre.risk, pre.judged, pre.logits)
         # The lock is taken per step (by the batcher), never across a yield: async callers resume us from
         # other threads. While it decodes, the stream is counted so that a batch waits for its step.
         with self.batcher.decoding():

@@ -285,7 +285,7 @@ class Watch:
     """One request's guard while it is served: its running risk, the steps that served it, the cache to climb to."""
 
     def __init__(self, policy: Policy, builder: Builder, served: Sequence[Served], risk: float = 0.0,
-                 judged: Sequence[Judged] = ()):
+                 judged: Sequence[Judged] = (), first: torch.Tensor | None = None):
         self.policy, self.builder, self.served, self.judged = policy, builder, list(served), list(judged)
         last = self.served[-1]
         self._guard = fidelity.Guard(*policy.judged_by(last.step, last.budget), policy.minimum, policy.account)
@@ -297,6 +297,10 @@ class Watch:
         # What the prefill borrowed for its first token: exactly what it was short then, the only token it judged.
         # Spent by the prefill, not returned here: a prefill may be decoded more than once.
         self._guard.borrowed = max(0.0, self._guard.risk - self._guard.allowed) if policy.account is not None else 0.0
+        if last.step == FULL and last.first_token == 0 and first is not None:
+            # The prefill fell back before its first token, whose logits [V] are `first`: `climb` counted the floor
+            # over it in the prefill's guard, not judged, so not among `judged`; counted here again.
+            self._guard.passes(fidelity.margin(first))
         self._next = sum(j.served for j in self.judged)  # the answer token judged next: one per trusted judgment
 
     @property
@@ -424,11 +428,11 @@ def start(builder: Builder, guard: Policy | None) -> tuple[Built, Watch | None, 
 
 
 def resume(guard: Policy | None, builder: Builder | None, served: Sequence[Served], risk: float,
-           judged: Sequence[Judged] = ()) -> Watch | None:
-    """The guard of a stream decoding from a prefill that `start` left at `served` and `risk`; None when nothing
-    is left to guard (unguarded, or on a full prefill already, unless the level is held on average: the floor's
-    risk over the exact tokens is then counted, see fidelity.Account). A new Watch per stream: a prefill may be
-    decoded more than once."""
+           judged: Sequence[Judged] = (), first: torch.Tensor | None = None) -> Watch | None:
+    """The guard of a stream decoding from a prefill that `start` left at `served` and `risk`, whose first-token
+    logits are `first`; None when nothing is left to guard (unguarded, or on a full prefill already, unless the
+    level is held on average: the floor's risk over the exact tokens is then counted, see fidelity.Account). A new
+    Watch per stream: a prefill may be decoded more than once."""
     if guard is None or builder is None or (served[-1].step == FULL and guard.account is None):
         return None
-    return Watch(guard, builder, served, risk, judged)
+    return Watch(guard, builder, served, risk, judged, first)

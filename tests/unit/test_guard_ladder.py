@@ -341,6 +341,8 @@ def test_a_level_held_on_average_serves_from_the_repair_what_an_exact_answer_lef
     assert first.served[0].step == FULL and first.fidelity_estimate == 0.0
     account = engine.accounts["balanced"]
     assert account.credit > 0.15 and account.loans == 0  # 30% against max(10%, BALANCED's 15%): short 0.15
+    # Lent: half the floor's risk over every token, the first (served by the prefill's fall-back) included.
+    assert account.credit == pytest.approx(fidelity.LEND * (1 - 0.9 ** len(first.token_ids)))
     second = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False)
     assert second.served[0].step == REPAIR and account.loans >= 1
     strict = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False,
