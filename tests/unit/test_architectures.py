@@ -24,6 +24,7 @@ from kvboost_rag.assembly import APPROX, EXACT, assemble
 from kvboost_rag.drift import DriftMaps
 from kvboost_rag.models import LoadedModel
 from kvboost_rag.packing import can_pack, pack_linears
+from kvboost_rag.repair.cacheblend import cacheblend_prefill
 
 # Sliding layers' window: a quarter of the ~250-token test prompts, so every window is crossed, and wider than a
 # document (~45 tokens), so that a reused document's K/V still miss context the prompt gives them: with windows
@@ -230,6 +231,31 @@ def test_cacheblend_recomputing_everything_is_a_full_prefill(model, family, bund
     assert gap_to_truth(engine, blend.logits, blend.plan.token_ids) < GAP
     naive = engine.prefill(prompt, "naive", write_back=False)
     assert gap_to_truth(engine, naive.logits, naive.plan.token_ids) > GAP  # the comparison can see reuse
+
+
+@pytest.mark.parametrize("ratio", [0.07, 0.3])
+def test_a_partial_repair_over_a_full_prefills_kv_is_a_full_prefill(model, family, bundled_tokenizer, docs,
+                                                                    rag_prompt, ratio):
+    """Given the full prefill's own K/V as the assembled cache, a repair that recomputes a part of the tokens (each
+    its scattered positions, under its layer's window) must change nothing: what `recompute_ratio=1` cannot see, a
+    recomputed token attending to the wrong keys or rotated at the wrong place, shows here."""
+    engine = engine_on(model, bundled_tokenizer, family.model_type)
+    engine.ingest(docs)
+    adapter = engine.adapter
+    plan = engine.plan(rag_prompt(docs[::-1], "Who founded the brewing company?"), "cacheblend")
+    n = plan.num_tokens
+    assert plan.count(APPROX) > 0.5 * n and n > 3 * WINDOW
+    with torch.inference_mode():
+        truth = adapter.new_buffers(n)
+        adapter.run_layers(adapter.embed(plan.token_ids), torch.arange(n), truth, range(adapter.num_layers), n)
+        cache = adapter.new_buffers(n)
+        for layer in range(adapter.num_layers):
+            cache.keys[layer].copy_(truth.keys[layer])
+            cache.values[layer].copy_(truth.values[layer])
+        result = cacheblend_prefill(adapter, cache, plan, RepairConfig(recompute_ratio=ratio, fidelity="fast"))
+        logits = adapter.logits(result.hidden)[-1]
+    assert 0 < result.recomputed_tokens < n
+    assert gap_to_truth(engine, logits, plan.token_ids) < GAP
 
 
 def test_identity_drift_maps_place_keys_as_rerotation_does(model, family, bundled_tokenizer, docs, rag_prompt):
