@@ -36,8 +36,15 @@ def table(report: dict) -> str:
     columns = COLUMNS
     head = ["strategy"] + [h for _, h, _ in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    paired = any("lost" in row for row in rows.values())
+    if paired:  # accuracy paired with full's, beside it
+        at = head.index("accuracy") + 1
+        head.insert(at, "lost / won (sign test p)")
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, row in rows.items():
         cells = [label] + ["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in columns]
+        if paired:
+            cells.insert(at, f"{row['lost']} / {row['won']} ({row['sign_test_p']:.2f})" if "lost" in row else "-")
         lines.append("| " + " | ".join(cells) + " |")
     title = (f"{report['model']}, {report['dtype']}, kv_bits={report['kv_bits']}, {report['items']} items, "
              f"median TTFT and speedup, mean quality; {report['seconds']} s")

@@ -27,6 +27,7 @@ A strategy spec is a name with optional repair overrides: "cacheblend:recompute_
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -228,8 +229,22 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
                                      predicted_differ=sum(r["fidelity_estimate"] for r in guarded),
                                      observed_differ=int(sum(r["differs"] for r in guarded)))
         entry["observed_fidelity"] = observed.answer_figures() if guarded else None
+        # Accuracy paired with full's on the same items: those full answered right and this did not (lost), the
+        # reverse (won), and whether the difference is within noise (issue 41's rule is lost - won).
+        paired = [(item["full"]["accuracy"], item[label]["accuracy"]) for item in per_item
+                  if label != "full" and "accuracy" in item.get(label, {}) and "accuracy" in item.get("full", {})]
+        if paired:
+            lost, won = sum(f > g for f, g in paired), sum(f < g for f, g in paired)
+            entry |= {"lost": lost, "won": won, "sign_test_p": sign_test(lost, won)}
         summary[label] = entry
     return summary
+
+
+def sign_test(lost: int, won: int) -> float:
+    """The exact two-sided sign test's p on the items that changed: how likely a split at least this uneven is when
+    either way is as likely. Three lines of binomial tail rather than scipy, which nothing else here needs."""
+    n, k = lost + won, min(lost, won)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
 
 
 def read_stored(engine: KVBoost, items: list[BenchItem], layout: str = "bench") -> None:

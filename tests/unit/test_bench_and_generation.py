@@ -148,3 +148,24 @@ def test_the_bench_reports_the_guards_estimates_against_the_answers_that_differe
     assert order["samples"] == shadow["tokens"] and order["expected_before"] < 1e-6  # every token trusted
     assert f"Order floor at budget {order['budget']:g}: {order['flips']} of {order['samples']} checked" in table(report)
     engine.close()
+
+
+def test_accuracy_is_paired_with_fulls_on_the_same_items_with_a_sign_test():
+    """Issue 41's accuracy rule is on pairs (items lost against full minus items won), and "within noise" is a
+    sign test's p on the items that changed: both in the bench's summary and its table."""
+    from kvboost_rag.bench.report import table
+    from kvboost_rag.bench.run import sign_test, summarize
+
+    def row(accuracy: float) -> dict:
+        return {"ttft_ms": 1.0, "speedup": 1.0, "total_ms": 1.0, "accuracy": accuracy}
+
+    full, other = [1, 1, 1, 1, 1, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 1, 0, 1, 0]  # lost 5, won 1
+    per_item = [{"full": row(f), "cacheblend": row(o)} for f, o in zip(full, other, strict=True)]
+    summary = summarize(per_item, ["full", "cacheblend"])
+    assert "lost" not in summary["full"]
+    assert (summary["cacheblend"]["lost"], summary["cacheblend"]["won"]) == (5, 1)
+    assert summary["cacheblend"]["sign_test_p"] == pytest.approx(2 * 7 / 64)  # P(<= 1 of 6) both ways
+    assert sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0 and sign_test(8, 0) == pytest.approx(2 / 256)
+    report = {"strategies": summary, "model": "m", "dtype": "float32", "kv_bits": 16, "items": 10, "seconds": 1}
+    header, _, full_line, blend_line = table(report).split("\n\n")[1].split("\n")[:4]
+    assert "lost / won (sign test p)" in header and "| 5 / 1 (0.22) |" in blend_line and "| - |" in full_line
