@@ -1,4 +1,4 @@
-"""Research harness (issue #6): where does the reused cache's error live, and how good could selection be?
+"""Research harness (issues #6, #41): where does the reused cache's error live, and how good could selection be?
 
 Builds hybrid caches from two caches of the same prompt: the truth (a full prefill's K/V) and the stale
 one (stored document K/V as assembled, the naive cache). For each variant some (layer, position) K/V
@@ -7,14 +7,18 @@ and the result is scored like the bench (continuation KL over 16 teacher-forced 
 greedy output, and first-token KL). Variants:
 
 - truth<m / truth>=m: all document tokens true at layers below m / from m on.
-- oracle: the progressive schedule of `cacheblend` (same per-layer counts) with the set chosen by the
-  *true* deviation (truth vs stale K/V), nested like ours; `oracle-free` drops the nesting; `-rec` adds
-  the recency weight. An upper bound for deviation-driven selection with that budget (the truth stands in
-  for what recomputing would give).
-- cacheblend: the shipped strategy, for comparison.
+- truth-global / truth-sliding: all document tokens true in the layers of that kind only (a model whose layers
+  mix sliding-window and global attention: Gemma 2 and 3; on others truth-global is every layer).
+- truth-starts / truth-starts4: each reused span's first token (its first four) true in every layer.
+- oracle, oracle30, oracle60: the progressive schedule of `cacheblend` at 0.07, 0.3, 0.6 (same per-layer counts)
+  with the set chosen by the *true* deviation (truth vs stale K/V), nested like ours, and given the truth: an upper
+  bound for deviation-driven selection with that budget (the truth stands in for what recomputing would give).
+- cacheblend, cacheblend30, cacheblend60: the shipped strategy at those budgets, unguarded, without drift maps.
 
-    python research/oracle_layers.py kvboost_rag/bench/synthetic_calib.jsonl 24 40 out/store_calib_none \
-        out/oracle.json
+    python research/oracle_layers.py research/data/package_pages.jsonl 0 8 /tmp/oracle_store out/oracle.json \
+        gemma-3-270m
+(the last argument: a model as `kvboost-rag --model` takes it; left out, the bundled one). Figures in
+docs/method.md, "Where Gemma's error lives".
 """
 
 import json
@@ -73,12 +77,16 @@ def oracle_choice(truth, stale, reused, n, num_layers, nested: bool, recency: fl
 
 def main() -> None:
     data, start, end, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    engine = KVBoost.from_pretrained(config=EngineConfig(store=StoreConfig(disk_dir=Path(store)),
-                                                         repair=RepairConfig(fidelity="fast")))
-    adapter, config = engine.adapter, RepairConfig(drift=False, fidelity="fast")  # measured before drift correction
+    model = sys.argv[6] if len(sys.argv) > 6 else None
+    engine = KVBoost.from_pretrained(model, config=EngineConfig(store=StoreConfig(disk_dir=Path(store)),
+                                                                repair=RepairConfig(fidelity="fast")))
+    adapter = engine.adapter  # every variant measured before drift correction (drift=False)
     L = adapter.num_layers
-    variants = (["naive"] + [f"truth<{m}" for m in (2, 8, 15, 22)] + [f"truth>={m}" for m in (8, 15, 22)]
-                + ["oracle", "oracle-rec", "oracle-free-rec", "cacheblend"])
+    kinds = [layer.attention for layer in adapter.layer_plan]
+    thirds = (L // 3, 2 * L // 3)
+    variants = (["naive"] + [f"truth<{m}" for m in (1, 2, *thirds)] + [f"truth>={m}" for m in thirds]
+                + ["truth-global", "truth-sliding", "truth-starts", "truth-starts4",
+                   "oracle", "oracle30", "oracle60", "cacheblend", "cacheblend30", "cacheblend60"])
     rows = []
     for item in load_items(data)[start:end]:
         engine.ingest(list(item.documents), progress=False, calibrate=False)
@@ -95,9 +103,16 @@ def main() -> None:
             uncached = p.computed_positions()
             scratch = adapter.new_buffers(n + TOKENS)
             row = {"id": item.id}
+            gap = torch.ones_like(reused, dtype=torch.bool)
+            gap[1:] = reused[1:] - reused[:-1] != 1
+            starts = reused[gap]
+            starts4 = torch.unique(torch.cat([starts + k for k in range(4)]))
+            starts4 = starts4[torch.isin(starts4, reused)]
             for name in variants:
-                if name == "cacheblend":
-                    pre = engine.prefill(prompt, "cacheblend", max_new_tokens=TOKENS, write_back=False, repair=config)
+                ratio = {"30": 0.3, "60": 0.6}.get(name[-2:], 0.07)
+                if name.startswith("cacheblend"):
+                    pre = engine.prefill(prompt, "cacheblend", max_new_tokens=TOKENS, write_back=False,
+                                         repair=RepairConfig(drift=False, fidelity="fast", recompute_ratio=ratio))
                 else:
                     if name == "naive":
                         choice = {}
@@ -105,9 +120,15 @@ def main() -> None:
                         choice = {layer: reused for layer in range(int(name[6:]))}
                     elif name.startswith("truth>="):
                         choice = {layer: reused for layer in range(int(name[7:]), L)}
+                    elif name in ("truth-global", "truth-sliding"):
+                        kind = "full_attention" if name == "truth-global" else "sliding_attention"
+                        choice = {layer: reused for layer in range(L) if kinds[layer] == kind}
+                    elif name.startswith("truth-starts"):
+                        choice = {layer: starts4 if name.endswith("4") else starts for layer in range(L)}
                     else:
                         choice = oracle_choice(full.cache, stale, reused, n, L, nested="free" not in name,
-                                               recency=1.0 if "rec" in name else 0.0, config=config)
+                                               recency=1.0 if "rec" in name else 0.0,
+                                               config=RepairConfig(drift=False, fidelity="fast", recompute_ratio=ratio))
                     cache = true_at(full.cache, stale, choice, scratch)
                     hidden = adapter.run_layers(adapter.embed(p.token_ids[uncached]), uncached, cache, range(L), n)
                     pre = Prefill(p, cache, adapter.logits(hidden[:, -1:])[-1], uncached.numel(), name, 0.0, 0.0)
