@@ -35,12 +35,11 @@ def table(report: dict) -> str:
     rows = report["strategies"]
     columns = COLUMNS
     head = ["strategy"] + [h for _, h, _ in columns]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     paired = any("lost" in row for row in rows.values())
     if paired:  # accuracy paired with full's, beside it
         at = head.index("accuracy") + 1
         head.insert(at, "lost / won (sign test p)")
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, row in rows.items():
         cells = [label] + ["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in columns]
         if paired:

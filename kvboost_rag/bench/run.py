@@ -229,15 +229,22 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
                                      predicted_differ=sum(r["fidelity_estimate"] for r in guarded),
                                      observed_differ=int(sum(r["differs"] for r in guarded)))
         entry["observed_fidelity"] = observed.answer_figures() if guarded else None
-        # Accuracy paired with full's on the same items: those full answered right and this did not (lost), the
-        # reverse (won), and whether the difference is within noise (issue 41's rule is lost - won).
-        paired = [(item["full"]["accuracy"], item[label]["accuracy"]) for item in per_item
-                  if label != "full" and "accuracy" in item.get(label, {}) and "accuracy" in item.get("full", {})]
-        if paired:
-            lost, won = sum(f > g for f, g in paired), sum(f < g for f, g in paired)
-            entry |= {"lost": lost, "won": won, "sign_test_p": sign_test(lost, won)}
+        if label != "full":
+            entry |= paired_accuracy(per_item, label) or {}
         summary[label] = entry
     return summary
+
+
+def paired_accuracy(per_item: list[dict[str, dict]], label: str) -> dict | None:
+    """Accuracy paired with full's on the items both were scored on: those full answered right and `label` did not
+    (lost), the reverse (won), and the sign test's p on them, whether the difference is within noise (issue 41's
+    rule is lost - won). None where the set has no answers."""
+    pairs = [(item["full"]["accuracy"], item[label]["accuracy"]) for item in per_item
+             if "accuracy" in item.get(label, {}) and "accuracy" in item.get("full", {})]
+    if not pairs:
+        return None
+    lost, won = sum(f > g for f, g in pairs), sum(f < g for f, g in pairs)
+    return {"lost": lost, "won": won, "sign_test_p": sign_test(lost, won)}
 
 
 def sign_test(lost: int, won: int) -> float:

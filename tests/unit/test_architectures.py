@@ -246,12 +246,8 @@ def test_a_partial_repair_over_a_full_prefills_kv_is_a_full_prefill(model, famil
     n = plan.num_tokens
     assert plan.count(APPROX) > 0.5 * n and n > 3 * WINDOW
     with torch.inference_mode():
-        truth = adapter.new_buffers(n)
-        adapter.run_layers(adapter.embed(plan.token_ids), torch.arange(n), truth, range(adapter.num_layers), n)
-        cache = adapter.new_buffers(n)
-        for layer in range(adapter.num_layers):
-            cache.keys[layer].copy_(truth.keys[layer])
-            cache.values[layer].copy_(truth.values[layer])
+        cache = adapter.new_buffers(n)  # the full prefill's K/V, which the repair then recomputes in part
+        adapter.run_layers(adapter.embed(plan.token_ids), torch.arange(n), cache, range(adapter.num_layers), n)
         result = cacheblend_prefill(adapter, cache, plan, RepairConfig(recompute_ratio=ratio, fidelity="fast"))
         logits = adapter.logits(result.hidden)[-1]
     assert 0 < result.recomputed_tokens < n
