@@ -114,8 +114,9 @@ def test_ingestion_cache_hits_only_for_the_same_store(engine, monkeypatch):
     assert computed.take() == 0  # a cache hit: this engine's store already holds every node
 
     # Another engine (a fresh in-memory store) misses the cache, so its KV is computed rather than
-    # its nodes claiming KV it never got.
-    other = KVBoost.from_pretrained()
+    # its nodes claiming KV it never got. Not calibrating: a second fit of the same corpus (~55 s on 2 cores) has
+    # nothing to do with the cache.
+    other = KVBoost.from_pretrained(calibrate=False)
     other_computed = Computed(other, monkeypatch)
     nodes = run(other)
     assert other_computed.take() == len(nodes) and computed.take() == 0
