@@ -353,9 +353,11 @@ def _half_steps(engine, half, prompt_ids: torch.Tensor, answer: list[int]) -> tu
 
 
 def _other_dtype(model):
-    """The model in the dtype users compare ours with: bf16 for a float32 engine, float32 for the others."""
-    target = torch.bfloat16 if next(model.parameters()).dtype == torch.float32 else torch.float32
-    return models.in_dtype(model, target)
+    """The model in the dtype users compare ours with: bf16 for a float32 engine (models.bf16_copy: in float32
+    kernels where bf16 is emulated), float32 for the others."""
+    if next(model.parameters()).dtype == torch.float32:
+        return models.bf16_copy(model)
+    return models.in_dtype(model, torch.float32)
 
 
 def _flips(engine, prompts: Sequence, answers: Sequence[list[int]], budget: float, bar) -> tuple[list, list]:

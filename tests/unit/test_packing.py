@@ -8,8 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag.adapter import ModelAdapter
-from kvboost_rag.calibrate import MIN_DOCUMENTS
-from kvboost_rag.models import LoadedModel, in_dtype
+from kvboost_rag.calibrate import MIN_DOCUMENTS, _other_dtype
+from kvboost_rag.models import LoadedModel, WidenedLinear, bf16_copy, in_dtype
 from kvboost_rag.packing import PackedLinear, Siblings, can_pack, pack_linears
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
@@ -36,6 +36,24 @@ def test_a_cpu_that_emulates_bf16_packs_nothing(monkeypatch):
     model = _tiny(torch.bfloat16)
     assert not can_pack(torch.bfloat16, torch.device("cpu"))
     assert pack_linears(model) == 0 and set(_linears(model).values()) == {torch.nn.Linear}
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_dtype_floors_bf16_copy_runs_float32_kernels_only_where_bf16_is_emulated(monkeypatch, native):
+    """Calibration's dtype floor (models.bf16_copy): where bf16 is emulated, its linears compute bf16 arithmetic
+    (bf16 operands, float32 sums, one rounding to bf16) in float32 kernels; where bf16 is native, plain bf16."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_f": True, "avx512_bf16": native})
+    source = _tiny(torch.float32)
+    for copied in (bf16_copy(source), _other_dtype(source)):
+        assert set(_linears(copied).values()) == ({torch.nn.Linear} if native else {WidenedLinear})
+        assert {p.dtype for p in copied.parameters()} == {torch.bfloat16}
+        x = torch.randn(40, 64).to(torch.bfloat16)
+        out = copied.lm_head(x)
+        exact = torch.nn.functional.linear(x.double(), copied.lm_head.weight.double()).to(torch.bfloat16)
+        assert out.dtype == torch.bfloat16
+        assert (out != exact).float().mean() < 1e-3  # the exact product's rounding, but at near-ties
+    assert set(_linears(source).values()) == {torch.nn.Linear}  # the engine's model untouched
+    assert {p.dtype for p in source.parameters()} == {torch.float32}
 
 
 @needs_bf16
