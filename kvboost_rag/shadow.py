@@ -10,19 +10,19 @@ teacher-forced, gives the token a full prefill chooses at every step of the answ
 (repair/guard.py: a cache's margin before a token, at that cache's budget, trusted or refused) becomes a sample, flipped
 when that cache's greedy token differs from full's. The floors the levels are held to are measured on what users ask
 too: where the request's curve has floors, the check also runs, teacher-forced along the same answer, a full prefill of
-the documents in reverse order (the order floor) and one in bf16 (the dtype floor, for a float32 engine: on the HALF
-step's bf16 model, or a copy of its own), and a repaired cache's judgment is a sample of each floor's curve at its
-budget, flipped where the floor's token differs from full's (so a set where another order changes answers more than
-calibration's did loosens `balanced` there, and one where it changes them less tightens it). The samples of each curve
-(the last MAX_SAMPLES: a budget's, its floors', or the ladder's HALF step's own, fidelity.Predictor.half) refit that
-curve after every check, once there are fidelity.MIN_TOKENS of them, the curve the engine had before counting as much as
-the tokens it was fitted on (a calibrated curve is moved part of the way by a few checks, not replaced: replaced, on a
-corpus it was calibrated apart from, the curves swung and moved most answers to a full prefill, docs/method.md) until
-the checks refute it (its expected flips REFUTED standard deviations from those counted, fidelity.fit), when it counts
-the less the further: a curve wrong here is then corrected, not held half-way); the engine uses the new curves at once
-and saves them beside the store (KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server
-or another process on the same Redis starts from them. Only requests the guard may move are checked ("fast" answers are
-not: they asked for no guard).
+the documents in reverse order (the order floor) and one in bf16 (the dtype floor, where the engine has the HALF step's
+bf16 model), and a repaired cache's judgment is a sample of each floor's curve at its budget, flipped where the floor's
+token differs from full's (so a set where another order changes answers more than calibration's did loosens `balanced`
+there, and one where it changes them less tightens it). The samples of each curve (the last MAX_SAMPLES: a budget's, its
+floors', or the ladder's HALF step's own, fidelity.Predictor.half) refit that curve after every check, once there are
+fidelity.MIN_TOKENS of them, the curve the engine had before counting as much as the tokens it was fitted on (a
+calibrated curve is moved part of the way by a few checks, not replaced: replaced, on a corpus it was calibrated apart
+from, the curves swung and moved most answers to a full prefill, docs/method.md) until the checks refute it (its
+expected flips REFUTED standard deviations from those counted, fidelity.fit), when it counts the less the further: a
+curve wrong here is then corrected, not held half-way); the engine uses the new curves at once and saves them beside the
+store (KVBoost.set_predictor: the disk tier's folder, the Redis tier), so a restarted server or another process on the
+same Redis starts from them. Only requests the guard may move are checked ("fast" answers are not: they asked for no
+guard).
 
 Off the critical path: `offer` only queues (a bounded queue: a check offered to a full one is dropped), and one
 background thread runs the checks, layer by layer, each layer only while the engine is idle: no thread holds or
@@ -51,8 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fidelity, models
-from .adapter import ModelAdapter
+from . import fidelity
 from .assembly import segments_text
 from .repair.guard import HALF, Judged
 
@@ -102,7 +101,6 @@ class Shadow:
         # calibration fits since is the prior.
         self._priors: dict[float | str, fidelity.Predictor] = {}
         self._handed: dict[float | str, tuple] = {}
-        self._bf16: ModelAdapter | bool | None = None  # the dtype floor's own model, made once (_dtype_floor)
         _LIVE.add(self)
 
     def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
@@ -202,8 +200,8 @@ class Shadow:
     def _tops(self, check: Check) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Full's greedy tokens along the answer (_forced), and where the request's curve has floors to refit,
         the floors' along the same answer: a full prefill of the documents in reverse order ("order", where the
-        prompt has two or more), and one in bf16 ("dtype", a float32 engine's: _dtype_floor; the calibration's
-        float32 copy of a bf16 engine is not kept for the checks)."""
+        prompt has two or more), and one in bf16 ("dtype", where the engine has the HALF step's bf16 model; the
+        calibration's float32 copy of a bf16 engine is not kept for the checks)."""
         engine = self.engine
         full = self._forced(engine.adapter, check.prompt_ids, check.answer)
         floors = {}
@@ -212,23 +210,10 @@ class Shadow:
             if (reordered := _reordered(engine, check.segments)) is not None:
                 floors["order"] = self._forced(engine.adapter, reordered, check.answer)
             with self._idle_lock():  # made on first use: not while a request may be making it
-                half = self._dtype_floor()
+                half = engine.half_adapter()
             if half is not None:
                 floors["dtype"] = self._forced(half, check.prompt_ids, check.answer)
         return full, floors
-
-    def _dtype_floor(self) -> ModelAdapter | None:
-        """The bf16 model the dtype floor's checks run: the HALF step's where the engine has one; else, for a float32
-        engine (bf16 emulated, or bf16_step off), a copy of its own, made once (models.bf16_copy: its linears in
-        float32 kernels where bf16 is emulated, 2.4x faster there), the model's size in bf16 kept beside it. None for
-        a 16-bit engine: its floor, float32, is calibration's only."""
-        half = self.engine.half_adapter()
-        if half is not None:
-            return half
-        if self._bf16 is None:
-            adapter = self.engine.adapter
-            self._bf16 = adapter.dtype == torch.float32 and ModelAdapter(models.bf16_copy(adapter.model))
-        return self._bf16 or None
 
     @torch.inference_mode()
     def _forced(self, adapter, prompt_ids: torch.Tensor, answer: tuple[int, ...]) -> torch.Tensor:
