@@ -50,10 +50,12 @@ def limits(engine):
     return limits_for(engine.adapter.max_context)
 
 
-def _post(base_url: str, body: dict, route: str = CHAT, **kwargs) -> httpx.Response:
+def _post(base_url: str, body: dict, route: str = CHAT, client: httpx.Client | None = None, **kwargs) -> httpx.Response:
+    """POST `body` as JSON; on `client`'s kept-alive connection when given, else on a new one."""
     # json.dumps escapes what is not ASCII, a lone surrogate too (which httpx's own encoding refuses to send)
-    return httpx.post(f"{base_url}{route}", content=json.dumps(body), headers={"content-type": "application/json"},
-                      timeout=60, **kwargs)
+    send = client.post if client is not None else httpx.post
+    return send(f"{base_url}{route}", content=json.dumps(body), headers={"content-type": "application/json"},
+                timeout=60, **kwargs)
 
 
 def _error(reply: httpx.Response, status: int) -> dict:
@@ -354,15 +356,15 @@ def test_a_client_flooding_malformed_requests_is_answered_slower_and_valid_reque
     bad = {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}
     # One kept-alive connection: a new one per request (httpx.post) costs the client 30-60 ms on a slow CPU, as much
     # as the delay itself, and the checks below time the server's answer, not the client's set-up.
-    with _serving(create_app(engine, model_name=MODEL)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with _serving(create_app(engine, model_name=MODEL)) as url, httpx.Client() as http:
 
         def refuse() -> float:
             started = time.perf_counter()
-            _error(http.post(CHAT, content=json.dumps(bad), headers={"content-type": "application/json"}), 400)
+            _error(_post(url, bad, client=http), 400)
             return time.perf_counter() - started
 
         for _ in range(3):
-            assert http.get("/health").status_code == 200  # connected and warm; /health takes no token
+            assert http.get(f"{url}/health").status_code == 200  # connected and warm; /health takes no token
         took, first = [], time.perf_counter()
         for _ in range(3 * server_gate.ERROR_BURST):
             took.append(refuse())
