@@ -118,6 +118,8 @@ class WidenedLinear(torch.nn.Linear):
     bf16 kernels (bf16_copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The weight widened per call rather than kept in float32: a float32 copy would double the bf16 copy's
+        # memory, and the floor runs prefills, where widening a weight costs little beside its matmul.
         bias = None if self.bias is None else self.bias.float()
         return torch.nn.functional.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
