@@ -8,8 +8,9 @@ submitted, or WINDOW_S, whichever comes first), takes the engine lock, runs one 
 (adapter.decode_rows: each sequence at its own position in its own cache) and hands each caller its row's
 logits. The others wait on a Condition meanwhile; those who come during a batch form the next one.
 
-A lone stream is a batch of one, run exactly as KVBoost.decode_step runs it. An error in a batch's forward
-reaches every caller of that batch, and the next batch runs as usual.
+A lone stream is a batch of one, run exactly as KVBoost.decode_step runs it, with its step's draft tokens
+(lookahead.py) in the same forward; in a batch of several, each stream's step is its one token. An error in a
+batch's forward reaches every caller of that batch, and the next batch runs as usual.
 
 A registered stream that is not stepping (its consumer is slow, or steps several streams from one thread) costs
 the others at most WINDOW_S per step.
@@ -34,13 +35,18 @@ WINDOW_S = 0.003
 
 
 @torch.inference_mode()
-def decode(adapter, caches: Sequence[KVBuffers], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """Append tokens[b] at positions[b] to caches[b], for each of B sequences: the next-token logits [B, V] fp32."""
+def decode(adapter, caches: Sequence[KVBuffers], tokens: Sequence[int], positions: Sequence[int],
+           drafts: Sequence[int] = ()) -> torch.Tensor:
+    """Append tokens[b] at positions[b] to caches[b], for each of B sequences: the next-token logits [B, V] fp32.
+    `drafts` (one sequence only, lookahead.py): tokens appended after tokens[0] in the same forward, each row the
+    logits after its token: [1 + D, V]."""
+    if len(caches) == 1:  # one request: the single-sequence path as it always ran (no padding, its own masks)
+        token_ids = torch.tensor([tokens[0], *drafts])
+        at = torch.arange(positions[0], positions[0] + len(token_ids))
+        hidden = adapter.run_layers(adapter.embed(token_ids), at, caches[0], range(adapter.num_layers), int(at[-1]) + 1)
+        return adapter.logits(hidden)
     token_ids, at = torch.tensor(list(tokens)), torch.tensor(list(positions))
     hidden = adapter.embed(token_ids)  # [1, B, H]
-    if len(caches) == 1:  # one request: the single-sequence path as it always ran (no padding, its own masks)
-        hidden = adapter.run_layers(hidden, at, caches[0], range(adapter.num_layers), positions[0] + 1)
-        return adapter.logits(hidden)
     hidden = adapter.decode_rows(hidden.transpose(0, 1), at, list(caches))  # [B, 1, H]
     return adapter.logits(hidden.transpose(0, 1))
 
@@ -86,7 +92,8 @@ class _Step:
     cache: KVBuffers
     token: int
     position: int
-    logits: torch.Tensor | None = None  # [V], once done
+    drafts: tuple[int, ...] = ()
+    logits: torch.Tensor | None = None  # [1 + D, V], once done (D = 0 in a batch of several steps)
     error: BaseException | None = None
     done: bool = False
 
@@ -105,7 +112,8 @@ class DecodeBatcher:
         self._pending: list[_Step] = []
         self._leading = False  # a leader is gathering or running a batch
         self._decoders = 0
-        # "batches" run, "rows" decoded in them, "largest": the most rows one batch had.
+        # "batches" run, "rows" decoded in them, "largest": the most rows one batch had; "drafted": draft tokens
+        # checked (lookahead.py), "drafts_used": of those, the ones decoding chose, whose forward was saved.
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
@@ -125,14 +133,22 @@ class DecodeBatcher:
                 self._decoders -= 1
                 self._changed.notify_all()  # a leader waiting for this stream stops waiting
 
-    def step(self, cache: KVBuffers, token: int, position: int) -> torch.Tensor:
-        """Append `token` at `position` to `cache` in the next batch: the next-token logits [V] fp32."""
+    def used_draft(self) -> None:
+        """A draft's row served a token (lookahead.py): counted for /metrics."""
+        with self._changed:
+            self.counters["drafts_used"] += 1
+
+    def step(self, cache: KVBuffers, token: int, position: int, drafts: Sequence[int] = ()) -> torch.Tensor:
+        """Append `token` at `position` to `cache` in the next batch: the next-token logits [V] fp32. With `drafts`
+        (lookahead.py), [1 + D, V]: the rows after the token and after each draft, appended after it, D = len(drafts)
+        when the step runs alone, 0 in a batch with other streams' steps (their rows hold one token each)."""
         if self.lock.held_here():
             # The caller holds the engine lock already (calibration decodes under it): a leader would wait for
             # that lock while this caller waited for the leader. It runs alone, at once.
             with self.lock:
-                return decode(self.adapter, [cache], [token], [position])[0]
-        mine = _Step(cache, token, position)
+                rows = decode(self.adapter, [cache], [token], [position], drafts)
+            return rows if drafts else rows[0]
+        mine = _Step(cache, token, position, tuple(drafts))
         with self._changed:
             self._pending.append(mine)
             self._changed.notify_all()
@@ -147,10 +163,14 @@ class DecodeBatcher:
             batch, self._pending = self._pending, []
         try:
             with self.lock:
-                logits = decode(self.adapter, [s.cache for s in batch], [s.token for s in batch],
-                                [s.position for s in batch])
-            for s, row in zip(batch, logits, strict=True):
-                s.logits = row
+                if len(batch) == 1:
+                    (only,) = batch
+                    only.logits = decode(self.adapter, [only.cache], [only.token], [only.position], only.drafts)
+                else:
+                    logits = decode(self.adapter, [s.cache for s in batch], [s.token for s in batch],
+                                    [s.position for s in batch])
+                    for s, row in zip(batch, logits, strict=True):
+                        s.logits = row[None]
         except BaseException as e:  # every caller of the batch gets it; the batcher goes on
             for s in batch:
                 s.error = e
@@ -162,5 +182,6 @@ class DecodeBatcher:
                 self.counters["batches"] += 1
                 self.counters["rows"] += len(batch)
                 self.counters["largest"] = max(self.counters["largest"], len(batch))
+                self.counters["drafted"] += len(batch[0].drafts) if len(batch) == 1 else 0
                 self._changed.notify_all()
-        return mine.result()
+        return mine.result() if drafts else mine.result()[0]

@@ -269,6 +269,9 @@ class EngineConfig:
     ladder_costs: bool = knob(True, "skip a step of the fidelity guard's ladder (a repair, an escalation) whose "
                                     "cache the guard trusts less often than the step's measured cost as a share of a "
                                     "full prefill's: it would cost more than it saves")
+    lookahead: int = knob(2, "draft tokens a greedy decode step checks in the same forward, copied from where the "
+                             "text's last tokens occurred before in the prompt or answer (lookahead.py; the answer "
+                             "is unchanged, fewer forwards make it); 0 = one token per forward")
     # Online calibration (shadow.py): served answers checked against a full prefill once the engine is idle, off
     # every request's path, refitting the fidelity guard on what users ask.
     shadow_share: float = knob(0.05, "share of the guarded requests whose answer is checked against a full prefill "
@@ -286,6 +289,7 @@ class EngineConfig:
         check_number(self, "shadow_share", 0.0, 1.0, hint="0 checks no request")
         check_number(self, "shadow_share_young", 0.0, 1.0, hint="0 checks no request")
         check_int(self, "shadow_queue", 1, hint="checks waiting at most")
+        check_int(self, "lookahead", 0, hint="0 decodes one token per forward")
         if not isinstance(self.bf16_step, bool):
             raise ConfigError("bf16_step", f"EngineConfig.bf16_step must be True or False, got {self.bf16_step!r}")
         if not isinstance(self.ladder_costs, bool):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import batching, drift, fidelity, ingestion, matching, models, shadow
+from . import batching, drift, fidelity, ingestion, lookahead, matching, models, shadow
 from . import calibrate as calibration
 from . import keys as keyring
 from .adapter import ModelAdapter
@@ -450,6 +450,7 @@ class KVBoost:
         # The guard goes on where the prefill left it: every token from a reused cache adds its risk, and before one
         # would pass the target the request climbs its ladder (repair/guard.py) to a cache it can trust.
         watch = guard.resume(pre.policy, pre.builder, pre.served, pre.risk, pre.judged, pre.logits)
+        ahead = lookahead.Lookahead(pre.plan.token_ids, self.config.lookahead if params.temperature == 0 else 0)
         # The lock is taken per step (by the batcher), never across a yield: async callers resume us from
         # other threads. While it decodes, the stream is counted so that a batch waits for its step.
         with self.batcher.decoding():
@@ -466,7 +467,7 @@ class KVBoost:
                     break
                 yield StreamPiece(delta, token)
                 if step + 1 < params.max_new_tokens:
-                    logits = self.batcher.step(cache, token, position)
+                    logits = ahead.next(self.batcher, cache, token, position, params.max_new_tokens - step - 2)
                     position += 1
                     if watch is not None and not watch.trusts(logits):
                         built = watch.climb(text.token_ids)

@@ -110,6 +110,14 @@ class ServerMetrics:
                 for floor in fidelity.FLOOR_NAMES:
                     gauge.labels(floor).set_function(
                         lambda key=key, floor=floor: shadow.figures()["floors"][floor][key])
+        batcher = getattr(engine, "batcher", None)
+        if batcher is not None:  # decode steps (batching.py) and the draft tokens they checked (lookahead.py)
+            for key, what in (("batches", "decode forwards run, each for one or more streams"),
+                              ("rows", "stream steps those forwards ran"),
+                              ("drafted", "draft tokens copied from the prompt that lone streams' steps checked"),
+                              ("drafts_used", "of those, tokens decoding chose: each a forward saved")):
+                Gauge(f"kvboost_decode_{key}", what, registry=registry).set_function(
+                    lambda key=key: batcher.counters[key])
         routes = getattr(engine, "routes", None)
         if routes is not None:  # the guard's ladder (repair/routes.py): steps measured not to pay, skipped or tried
             for key, what in (("skipped", "steps of the guard's ladder skipped: measured to cost more than they save"),

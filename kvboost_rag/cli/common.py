@@ -77,6 +77,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, repair: bool = True) 
                         "application does (the bench's, LangChain's, LlamaIndex's, in tags)")
     if repair:
         add_config_option(g, EngineConfig, "floor_credit", type=float)
+        add_config_option(g, EngineConfig, "lookahead", type=count(0))
         add_repair_options(parser)
 
 
@@ -131,6 +132,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
             calibration_layout=getattr(args, "calibration_layout", EngineConfig.calibration_layout),
             floor_credit=getattr(args, "floor_credit", EngineConfig.floor_credit),
+            lookahead=getattr(args, "lookahead", EngineConfig.lookahead),
         )
         resolve_device(config.device)  # "cuda" on a machine without one is refused here, before anything is read
         return config

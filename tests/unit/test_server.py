@@ -373,6 +373,12 @@ def test_metrics_count_what_was_served(client, engine, base_url, docs):
     assert moved("kvboost_document_tokens_total") == found == text.kvboost["document_tokens"]
     assert moved("kvboost_document_tokens_reused_total") == text.kvboost["document_tokens_reused"] > 0.9 * found
     assert _sample(after, "kvboost_shadow_checks") == engine.shadow.figures()["checks"]  # issue 41's online checks
+    # decode forwards, and the draft tokens lone streams checked in them (lookahead.py): those answers ran alone
+    for key in ("batches", "rows", "drafted", "drafts_used"):
+        assert _sample(after, f"kvboost_decode_{key}") == engine.batcher.counters[key]
+    # every token after an answer's first came from a forward or a draft's row (a last one ends at an EOS or not)
+    answered = chat.usage.completion_tokens + text.usage.completion_tokens
+    assert answered - 2 <= moved("kvboost_decode_batches") + moved("kvboost_decode_drafts_used") <= answered
     engine.routes.counters["skipped"] += 3  # the ladder's steps measured not to pay (repair/routes.py)
     assert _sample(_metrics(base_url), "kvboost_ladder_skipped") == engine.routes.counters["skipped"] >= 3
     # as checks that ran the floors count them

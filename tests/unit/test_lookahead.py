@@ -1,0 +1,139 @@
+"""Prompt lookup (lookahead.py): drafts from the text's n-grams, checked in one forward, the answer unchanged.
+
+(a) the drafter proposes what followed the longest n-gram ending the text, where it occurred last;
+(b) a forward over a token and its drafts gives each row the logits (and K/V) of decoding them one at a time, on
+    every family of the architecture matrix;
+(c) a greedy stream with drafts gives the tokens one-token decoding gives, in fewer forwards; a sampled one and a
+    stream batched with another take one token per forward;
+(d) rows checked in a cache the guard has since replaced are never served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from test_architectures import FAMILIES, build, engine_on
+from test_batching import prefilled, sequences
+
+from kvboost_rag import batching, lookahead
+from kvboost_rag.cli import build_parser
+from kvboost_rag.config import ConfigError, EngineConfig
+
+ATOL = 1e-5  # fp32
+
+
+def test_the_drafter_proposes_what_followed_the_longest_ngram_where_it_occurred_last():
+    drafter = lookahead.Drafter([1, 2, 3, 4, 9, 2, 3, 5, 6, 7])
+    for token in (8, 2, 3):
+        drafter.add(token)
+    assert drafter.draft(2) == [5, 6]  # "2 3" last followed by 5 (not by 4, earlier)
+    drafter.add(5)
+    assert drafter.draft(3) == [6, 7, 8]  # "2 3 5" beats "3 5" and "5": the same place here
+    drafter.add(1)
+    assert drafter.draft(2) == [2, 3]  # only "1" matches, at the start
+    drafter.add(42)
+    assert drafter.draft(2) == []  # never seen
+    assert drafter.draft(0) == []
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_a_step_with_drafts_gives_each_row_the_logits_of_decoding_them_one_at_a_time(family, bundled_tokenizer):
+    engine = engine_on(build(family.config, family.settings), bundled_tokenizer, family.model_type)
+    adapter = engine.adapter
+    ids = sequences(adapter)[0]  # longer than the sliding windows
+    n, tokens = ids.shape[0], [5, 17, 29]
+    alone, together = prefilled(adapter, ids), prefilled(adapter, ids)
+    with torch.inference_mode():
+        expected = torch.stack([engine.decode_step(alone, t, n + i) for i, t in enumerate(tokens)])
+        rows = batching.decode(adapter, [together], tokens[:1], [n], tokens[1:])
+    assert rows.shape == expected.shape and (rows - expected).abs().max().item() < ATOL
+    for layer in range(adapter.num_layers):
+        assert (alone.keys[layer][:, :, n:n + 3] - together.keys[layer][:, :, n:n + 3]).abs().max() < ATOL
+        assert (alone.values[layer][:, :, n:n + 3] - together.values[layer][:, :, n:n + 3]).abs().max() < ATOL
+
+
+def _answer(engine, prompt: str, **params):
+    before = engine.batcher.counters["batches"]
+    result = engine.generate(prompt, strategy="full", max_new_tokens=60, **params)
+    return result.token_ids, engine.batcher.counters["batches"] - before
+
+
+def test_a_greedy_stream_with_drafts_gives_the_same_tokens_in_fewer_forwards(make_tiny_engine):
+    # This tiny random model's answer falls into repeating one token after 20: its own n-grams to copy.
+    engine = make_tiny_engine(seed=1)
+    prompt = "The red fox ran over the red hill. The red fox ran over the red hill. The red fox"
+    with_drafts, forwards = _answer(engine, prompt)
+    engine.config = dataclasses.replace(engine.config, lookahead=0)
+    without, forwards_without = _answer(engine, prompt)
+    assert with_drafts == without
+    assert forwards_without == len(without) - 1  # one forward per token after the prefill's
+    assert forwards < forwards_without * 0.8
+    assert engine.batcher.counters["drafts_used"] == len(without) - 1 - forwards  # each saved one forward
+
+
+def test_sampled_answers_take_one_token_per_forward(make_tiny_engine):
+    engine = make_tiny_engine(EngineConfig(lookahead=4))
+    tokens, forwards = _answer(engine, "The red fox ran over the red hill. The red fox", temperature=0.8, seed=3)
+    assert forwards == len(tokens) - 1
+
+
+def test_a_step_batched_with_another_streams_runs_its_token_alone(make_tiny_engine):
+    engine = make_tiny_engine()
+    adapter, batcher = engine.adapter, engine.batcher
+    ids = torch.arange(100, 160)
+    caches = [prefilled(adapter, ids), prefilled(adapter, ids)]
+    results: list = [None, None]
+    entered = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        with batcher.decoding():
+            entered.wait()  # both registered: the leader waits for the other's step
+            results[i] = batcher.step(caches[i], 7, 60, [8, 9] if i == 0 else ())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert batcher.counters["largest"] == 2
+    assert results[0].shape == (1, adapter.config.vocab_size)  # its drafts left out of the batch
+    assert (results[0][0] - results[1]).abs().max() < ATOL
+
+
+class _Forwards:
+    """A batcher's `step` that records its calls (no model: the order of calls is what is checked here)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def used_draft(self):
+        pass
+
+    def step(self, cache, token, position, drafts=()):
+        self.calls.append((cache, token, position, tuple(drafts)))
+        return torch.zeros(1 + len(drafts), 4) if drafts else torch.zeros(4)
+
+
+def test_rows_checked_in_a_cache_the_guard_replaced_are_never_served():
+    ahead, forwards = lookahead.Lookahead(torch.tensor([1, 2, 3, 1, 2, 3]), drafts=2), _Forwards()
+    old, new = object(), object()
+    ahead.next(forwards, old, 1, 6, room=10)  # "1" -> drafts 2, 3
+    assert forwards.calls[-1][3] == (2, 3)
+    ahead.next(forwards, old, 2, 7, room=10)  # the draft's row: no forward
+    assert len(forwards.calls) == 1
+    ahead.next(forwards, new, 3, 8, room=10)  # "3" was checked too, but in the cache left behind
+    assert len(forwards.calls) == 2 and forwards.calls[-1][:3] == (new, 3, 8)
+    ahead.next(forwards, new, 9, 9, room=0)  # no room: no drafts
+    assert forwards.calls[-1][3] == ()
+
+
+def test_a_negative_lookahead_is_refused_with_what_to_give(capsys):
+    with pytest.raises(ConfigError, match="lookahead.*0 decodes one token per forward"):
+        EngineConfig(lookahead=-1)
+    assert build_parser().parse_args(["ask", "hi", "--docs", "a.txt", "--lookahead", "0"]).lookahead == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ask", "hi", "--docs", "a.txt", "--lookahead", "-1"])
+    assert "--lookahead: must be an integer >= 0" in capsys.readouterr().err
