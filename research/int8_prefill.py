@@ -1,0 +1,69 @@
+"""A full prefill with int8 linears (torch's dynamic quantization, VNNI kernels) as `strict`'s cheap exact step on a
+CPU without bf16 instructions: tried, refused. Its flips along full's greedy answers, teacher-forced, against the
+dtype floor's (models.bf16_copy), and the time of each.
+
+On such a CPU the ladder has no bf16 step, so `strict` is a float32 full prefill. A prefill whose answers differ
+from float32's no more often than bf16's would be one; int8 is the other fast arithmetic there.
+
+    .venv/bin/python research/int8_prefill.py research/data/fidelity_holdout.jsonl --prompts 12 --tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+
+from kvboost_rag import KVBoost, models
+from kvboost_rag import calibrate as cal
+from kvboost_rag.adapter import ModelAdapter
+from kvboost_rag.bench.data import load_items
+from kvboost_rag.generation import SamplingParams
+
+
+def int8_copy(model: torch.nn.Module, head: bool) -> torch.nn.Module:
+    """`model` with every linear (and the LM head, with `head`) dynamically quantized to int8."""
+    copied = copy.deepcopy(model)
+    if head:
+        return torch.ao.quantization.quantize_dynamic(copied, {torch.nn.Linear}, dtype=torch.qint8)
+    copied.model = torch.ao.quantization.quantize_dynamic(copied.model, {torch.nn.Linear}, dtype=torch.qint8)
+    return copied
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data")
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--tokens", type=int, default=32)
+    args = p.parse_args()
+    engine = KVBoost.from_pretrained(calibrate=False)
+    docs = list(dict.fromkeys(d for item in load_items(args.data) for d in item.documents))
+    engine.ingest(docs)
+    drawn = cal.calibration_set(engine, docs, args.prompts, cal.PER_PROMPT)
+    base = engine.adapter.model
+    kernels = {"float32": ModelAdapter(base), "bf16": ModelAdapter(models.bf16_copy(base)),
+               "int8": ModelAdapter(int8_copy(base, head=True)),
+               "int8, head float32": ModelAdapter(int8_copy(base, head=False))}
+    flips = {name: [] for name in kernels}
+    seconds = dict.fromkeys(kernels, 0.0)
+    for k, item in enumerate(drawn):
+        full = engine.prefill(item.prompt, "full", max_new_tokens=args.tokens, write_back=False)
+        *_, last = engine.stream_from(full, SamplingParams(args.tokens))
+        answer = list(last.result.token_ids)
+        for name in list(kernels)[::1 if k % 2 == 0 else -1]:  # interleaved
+            started = time.perf_counter()
+            flips[name].append(cal._changes(cal._forced(kernels[name], full.plan.token_ids, answer), answer))
+            seconds[name] += time.perf_counter() - started
+        print(k, {name: sum(f[-1]) for name, f in flips.items()}, flush=True)
+    print(json.dumps({"tokens": sum(len(f) for f in flips["float32"]),
+                      "flips": {name: sum(map(sum, f)) for name, f in flips.items()},
+                      "answers differing in 16 tokens": {name: sum(any(a[:16]) for a in f)
+                                                         for name, f in flips.items()},
+                      "seconds": {name: round(s, 1) for name, s in seconds.items()}}))
+
+
+if __name__ == "__main__":
+    main()
