@@ -155,7 +155,7 @@ class DecodeBatcher:
             while self._leading and not mine.done:
                 self._changed.wait()
             if mine.done:  # a leader took it
-                return mine.result()
+                return mine.result() if drafts else mine.result()[0]
             self._leading = True
             deadline = time.monotonic() + self.window_s
             while len(self._pending) < self._decoders and (left := deadline - time.monotonic()) > 0:

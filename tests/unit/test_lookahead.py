@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from kvboost_rag.cli import build_parser
 from kvboost_rag.config import ConfigError, EngineConfig
 
 ATOL = 1e-5  # fp32
+ROWS_ATOL = 1e-3  # a forward over several rows against forwards over one (see its test)
 
 
 def test_the_drafter_proposes_what_followed_the_longest_ngram_where_it_occurred_last():
@@ -45,14 +47,18 @@ def test_a_step_with_drafts_gives_each_row_the_logits_of_decoding_them_one_at_a_
     adapter = engine.adapter
     ids = sequences(adapter)[0]  # longer than the sliding windows
     n, tokens = ids.shape[0], [5, 17, 29]
-    alone, together = prefilled(adapter, ids), prefilled(adapter, ids)
+    alone, together, shifted = prefilled(adapter, ids), prefilled(adapter, ids), prefilled(adapter, ids)
     with torch.inference_mode():
         expected = torch.stack([engine.decode_step(alone, t, n + i) for i, t in enumerate(tokens)])
         rows = batching.decode(adapter, [together], tokens[:1], [n], tokens[1:])
-    assert rows.shape == expected.shape and (rows - expected).abs().max().item() < ATOL
+        wrong = batching.decode(adapter, [shifted], tokens[:1], [n - 1], tokens[1:])  # one place early
+    # A forward over 3 rows sums in other orders than 3 over one: 3e-6 apart, and 1.5e-4 in about one run of 20
+    # (logits up to ~4); one place off moves them by far more.
+    assert rows.shape == expected.shape and (rows - expected).abs().max().item() < ROWS_ATOL
+    assert (wrong - expected).abs().max().item() > 100 * ROWS_ATOL
     for layer in range(adapter.num_layers):
-        assert (alone.keys[layer][:, :, n:n + 3] - together.keys[layer][:, :, n:n + 3]).abs().max() < ATOL
-        assert (alone.values[layer][:, :, n:n + 3] - together.values[layer][:, :, n:n + 3]).abs().max() < ATOL
+        assert (alone.keys[layer][:, :, n:n + 3] - together.keys[layer][:, :, n:n + 3]).abs().max() < ROWS_ATOL
+        assert (alone.values[layer][:, :, n:n + 3] - together.values[layer][:, :, n:n + 3]).abs().max() < ROWS_ATOL
 
 
 def _answer(engine, prompt: str, **params):
@@ -80,26 +86,36 @@ def test_sampled_answers_take_one_token_per_forward(make_tiny_engine):
     assert forwards == len(tokens) - 1
 
 
-def test_a_step_batched_with_another_streams_runs_its_token_alone(make_tiny_engine):
+@pytest.mark.parametrize("drafting_leads", [True, False])
+def test_a_step_batched_with_another_streams_runs_its_token_alone(make_tiny_engine, drafting_leads):
     engine = make_tiny_engine()
     adapter, batcher = engine.adapter, engine.batcher
+    batcher.window_s = 10.0  # the leader waits for the other stream's step, however late (it stops when it comes)
     ids = torch.arange(100, 160)
     caches = [prefilled(adapter, ids), prefilled(adapter, ids)]
     results: list = [None, None]
-    entered = threading.Barrier(2)
+    entered, first_in = threading.Barrier(2), threading.Event()
 
     def run(i: int) -> None:
+        drafting = i == 0
         with batcher.decoding():
             entered.wait()  # both registered: the leader waits for the other's step
-            results[i] = batcher.step(caches[i], 7, 60, [8, 9] if i == 0 else ())
+            if drafting != drafting_leads:
+                first_in.wait()
+                time.sleep(0.05)  # the leader is waiting for this step by now
+            else:
+                first_in.set()
+            results[i] = batcher.step(caches[i], 7, 60, [8, 9] if drafting else ())
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert batcher.counters["largest"] == 2
-    assert results[0].shape == (1, adapter.config.vocab_size)  # its drafts left out of the batch
+    assert batcher.counters["batches"] == 1 and batcher.counters["largest"] == 2
+    vocab = adapter.config.vocab_size
+    assert results[0].shape == (1, vocab)  # its drafts left out of the batch
+    assert results[1].shape == (vocab,)  # a step without drafts gets its row, led or not
     assert (results[0][0] - results[1]).abs().max() < ATOL
 
 
