@@ -98,9 +98,10 @@ class _Step:
     done: bool = False
 
     def result(self) -> torch.Tensor:
+        """The caller's logits: [V] for a step without drafts, [1 + D, V] for one with (DecodeBatcher.step)."""
         if self.error is not None:
             raise self.error
-        return self.logits
+        return self.logits if self.drafts else self.logits[0]
 
 
 class DecodeBatcher:
@@ -145,9 +146,10 @@ class DecodeBatcher:
         if self.lock.held_here():
             # The caller holds the engine lock already (calibration decodes under it): a leader would wait for
             # that lock while this caller waited for the leader. It runs alone, at once.
+            mine = _Step(cache, token, position, tuple(drafts))
             with self.lock:
-                rows = decode(self.adapter, [cache], [token], [position], drafts)
-            return rows if drafts else rows[0]
+                mine.logits = decode(self.adapter, [cache], [token], [position], drafts)
+            return mine.result()
         mine = _Step(cache, token, position, tuple(drafts))
         with self._changed:
             self._pending.append(mine)
@@ -155,7 +157,7 @@ class DecodeBatcher:
             while self._leading and not mine.done:
                 self._changed.wait()
             if mine.done:  # a leader took it
-                return mine.result() if drafts else mine.result()[0]
+                return mine.result()
             self._leading = True
             deadline = time.monotonic() + self.window_s
             while len(self._pending) < self._decoders and (left := deadline - time.monotonic()) > 0:
@@ -184,4 +186,4 @@ class DecodeBatcher:
                 self.counters["largest"] = max(self.counters["largest"], len(batch))
                 self.counters["drafted"] += len(batch[0].drafts) if len(batch) == 1 else 0
                 self._changed.notify_all()
-        return mine.result() if drafts else mine.result()[0]
+        return mine.result()
