@@ -270,8 +270,9 @@ class EngineConfig:
                                     "cache the guard trusts less often than the step's measured cost as a share of a "
                                     "full prefill's: it would cost more than it saves")
     lookahead: int = knob(2, "draft tokens a greedy decode step checks in the same forward, copied from where the "
-                             "text's last tokens occurred before in the prompt or answer (lookahead.py; the answer "
-                             "is unchanged, fewer forwards make it); 0 = one token per forward")
+                             "text's last tokens occurred before in the prompt or answer (lookahead.py: greedy "
+                             "decoding's answer in fewer forwards; in bf16 a forward over several tokens rounds "
+                             "unlike one over one); 0 = one token per forward")
     # Online calibration (shadow.py): served answers checked against a full prefill once the engine is idle, off
     # every request's path, refitting the fidelity guard on what users ask.
     shadow_share: float = knob(0.05, "share of the guarded requests whose answer is checked against a full prefill "

@@ -24,29 +24,43 @@ from kvboost_rag.bench.data import load_items
 from kvboost_rag.generation import SamplingParams
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data")
-    p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--tokens", type=int, default=32)
-    args = p.parse_args()
+def calibration_prompts(data: str, prompts: int):
+    """The bundled model in float32 with `data`'s documents ingested (uncalibrated), and `prompts` calibration prompts
+    drawn from them as calibration draws its own. Also used by int8_prefill.py."""
     engine = KVBoost.from_pretrained(calibrate=False)
-    docs = list(dict.fromkeys(d for item in load_items(args.data) for d in item.documents))
+    docs = list(dict.fromkeys(d for item in load_items(data) for d in item.documents))
     engine.ingest(docs)
-    drawn = cal.calibration_set(engine, docs, args.prompts, cal.PER_PROMPT)
-    kernels = {"torch bf16": ModelAdapter(models.in_dtype(engine.adapter.model, torch.bfloat16)),
-               "bf16_copy": ModelAdapter(models.bf16_copy(engine.adapter.model))}
+    return engine, cal.calibration_set(engine, docs, prompts, cal.PER_PROMPT)
+
+
+def forced_flips(engine, drawn, kernels: dict, tokens: int) -> tuple[dict[str, list[list[bool]]], dict[str, float]]:
+    """Per kernel (a name -> ModelAdapter), for each drawn prompt, whether each token of full's greedy answer (up to
+    `tokens`) flips when teacher-forced through that kernel, and each kernel's seconds (interleaved prompt by
+    prompt). Also used by int8_prefill.py."""
     flips = {name: [] for name in kernels}
     seconds = dict.fromkeys(kernels, 0.0)
     for k, item in enumerate(drawn):
-        full = engine.prefill(item.prompt, "full", max_new_tokens=args.tokens, write_back=False)
-        *_, last = engine.stream_from(full, SamplingParams(args.tokens))
+        full = engine.prefill(item.prompt, "full", max_new_tokens=tokens, write_back=False)
+        *_, last = engine.stream_from(full, SamplingParams(tokens))
         answer = list(last.result.token_ids)
         for name in list(kernels)[::1 if k % 2 == 0 else -1]:  # interleaved
             started = time.perf_counter()
             flips[name].append(cal._changes(cal._forced(kernels[name], full.plan.token_ids, answer), answer))
             seconds[name] += time.perf_counter() - started
         print(k, {name: sum(f[-1]) for name, f in flips.items()}, flush=True)
+    return flips, seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--tokens", type=int, default=32)
+    args = p.parse_args()
+    engine, drawn = calibration_prompts(args.data, args.prompts)
+    kernels = {"torch bf16": ModelAdapter(models.in_dtype(engine.adapter.model, torch.bfloat16)),
+               "bf16_copy": ModelAdapter(models.bf16_copy(engine.adapter.model))}
+    flips, seconds = forced_flips(engine, drawn, kernels, args.tokens)
     per_token = {name: [x for answer in f for x in answer] for name, f in flips.items()}
     a, b = per_token.values()
     print(json.dumps({"tokens": len(a), "flips": {name: sum(f) for name, f in per_token.items()},

@@ -13,15 +13,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import time
 
 import torch
+from dtype_floor_kernels import (  # this folder: Python puts a script's folder on sys.path
+    calibration_prompts,
+    forced_flips,
+)
 
-from kvboost_rag import KVBoost, models
-from kvboost_rag import calibrate as cal
+from kvboost_rag import models
 from kvboost_rag.adapter import ModelAdapter
-from kvboost_rag.bench.data import load_items
-from kvboost_rag.generation import SamplingParams
 
 
 def int8_copy(model: torch.nn.Module, head: bool) -> torch.nn.Module:
@@ -39,25 +39,12 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--tokens", type=int, default=32)
     args = p.parse_args()
-    engine = KVBoost.from_pretrained(calibrate=False)
-    docs = list(dict.fromkeys(d for item in load_items(args.data) for d in item.documents))
-    engine.ingest(docs)
-    drawn = cal.calibration_set(engine, docs, args.prompts, cal.PER_PROMPT)
+    engine, drawn = calibration_prompts(args.data, args.prompts)
     base = engine.adapter.model
     kernels = {"float32": ModelAdapter(base), "bf16": ModelAdapter(models.bf16_copy(base)),
                "int8": ModelAdapter(int8_copy(base, head=True)),
                "int8, head float32": ModelAdapter(int8_copy(base, head=False))}
-    flips = {name: [] for name in kernels}
-    seconds = dict.fromkeys(kernels, 0.0)
-    for k, item in enumerate(drawn):
-        full = engine.prefill(item.prompt, "full", max_new_tokens=args.tokens, write_back=False)
-        *_, last = engine.stream_from(full, SamplingParams(args.tokens))
-        answer = list(last.result.token_ids)
-        for name in list(kernels)[::1 if k % 2 == 0 else -1]:  # interleaved
-            started = time.perf_counter()
-            flips[name].append(cal._changes(cal._forced(kernels[name], full.plan.token_ids, answer), answer))
-            seconds[name] += time.perf_counter() - started
-        print(k, {name: sum(f[-1]) for name, f in flips.items()}, flush=True)
+    flips, seconds = forced_flips(engine, drawn, kernels, args.tokens)
     print(json.dumps({"tokens": sum(len(f) for f in flips["float32"]),
                       "flips": {name: sum(map(sum, f)) for name, f in flips.items()},
                       "answers differing in 16 tokens": {name: sum(any(a[:16]) for a in f)
