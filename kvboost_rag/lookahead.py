@@ -11,7 +11,8 @@ token, which the next forward overwrites (nothing attends there first).
 Why it pays: a decode step reads every weight for one token, and a forward over three tokens costs little more
 (the bundled model in float32, 1.3k-token cache, Intel Xeon: 56.5 ms for one token, 63.0 for two, 66.3 for three,
 but 100.6 for four: the matmul kernels change at four rows). Full's own 64-token answers on fidelity_holdout and
-man_pages (24 prompts) need 0.50 forwards a token with DRAFTS = 2, 0.35 with 6 (docs/method.md).
+man_pages (24 prompts) need 0.50 forwards a token with 2 drafts (EngineConfig.lookahead's default), 0.35 with 7
+(docs/method.md).
 
 Greedy requests only: a sampled token would need rejection sampling to keep its distribution; they take one token
 per step. Not within a batch of several streams either (the step then runs one token per stream): batching already
@@ -26,7 +27,6 @@ from collections.abc import Sequence
 
 import torch
 
-DRAFTS = 2  # draft tokens per step (EngineConfig.lookahead's default): a forward of 1 + DRAFTS rows
 MAX_N = 3  # the longest n-gram looked up
 
 
