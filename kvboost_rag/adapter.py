@@ -9,7 +9,8 @@ Layers differ within one model: some slide over a window (Mistral, Qwen2, Gemma,
 layer and RoPE frames per layer; architectures.py says which layer is which.
 
 Concurrent requests decode together (batching.py): `decode_rows` runs the same layers over B sequences at once,
-one new token each, every one at its own position in its own KVBuffers (kvcache.RowsCache).
+a few new tokens each (a token and its drafts), every one at its own position in its own KVBuffers
+(kvcache.RowsCache).
 
 Tested with transformers 5.24 (the API moved in 5.x: the layers' cache keyword is `cache` from 5.2x,
 `past_key_values` before; both are handled, in `_cache_kw`).
@@ -256,21 +257,28 @@ class ModelAdapter:
         frames = self._position_embeddings(positions, hidden, [self.layer_plan[i] for i in layers])
         return self._drive(hidden, cache, layers, mask, positions[None], frames)
 
-    def decode_rows(self, hidden: torch.Tensor, positions: torch.Tensor, caches: list[KVBuffers]) -> torch.Tensor:
-        """One new token for each of B sequences, each at its own position in its own cache (batch 1 each): the
-        decoder layers' own forward over all of them at once, each row attending to its own K/V only.
+    def decode_rows(self, hidden: torch.Tensor, positions: torch.Tensor, caches: list[KVBuffers],
+                    counts: list[int] | None = None) -> torch.Tensor:
+        """A few new tokens for each of B sequences, each at its own position in its own cache (batch 1 each): the
+        decoder layers' own forward over all of them at once, each row attending to its own K/V only. Row b's
+        first counts[b] tokens (all Q by default) are its own, from positions[b] on; the others pad the row to Q,
+        see what its last own token sees and are written to no cache (their outputs mean nothing).
 
-        hidden: [B, 1, H]; positions: [B] long, on the host (where the caller made them) -> hidden: [B, 1, H]."""
-        rows = RowsCache(caches, positions.tolist())
-        b, k_max = len(caches), rows.attend_len
-        positions = positions.to(self.device)
-        # [1, 1, B, K_max] -> [B, 1, 1, K_max]: each row's one query sees its own past (and window), no padding.
-        mask = Masks({kind: self._mask(positions, k_max, hidden.dtype, window, dense=True).view(b, 1, 1, k_max)
+        hidden: [B, Q, H]; positions: [B] long, on the host (where the caller made them) -> hidden: [B, Q, H]."""
+        b, q = hidden.shape[:2]
+        starts, counts = positions.tolist(), counts or [q] * b
+        rows = RowsCache(caches, starts, counts)
+        k_max = rows.attend_len
+        at = torch.tensor([[start + min(j, n - 1) for j in range(q)]
+                           for start, n in zip(starts, counts, strict=True)])  # [B, Q]
+        flat = at.flatten().to(self.device)
+        # [1, 1, B * Q, K_max] -> [B, 1, Q, K_max]: each row's queries see their own past (and window), no padding.
+        mask = Masks({kind: self._mask(flat, k_max, hidden.dtype, window, dense=True).view(b, 1, q, k_max)
                       for kind, window in self.windows.items()})
-        # The B positions as one sequence, [1, B, R], moved to the batch axis: [B, 1, R] per table.
-        frames = {table: (cos.transpose(0, 1), sin.transpose(0, 1))
-                  for table, (cos, sin) in self._position_embeddings(positions, hidden, self.layer_plan).items()}
-        return self._drive(hidden, rows, range(self.num_layers), mask, positions[:, None], frames)
+        # The B * Q positions as one sequence, [1, B * Q, R], split into rows: [B, Q, R] per table.
+        frames = {table: (cos.reshape(b, q, -1), sin.reshape(b, q, -1))
+                  for table, (cos, sin) in self._position_embeddings(flat, hidden, self.layer_plan).items()}
+        return self._drive(hidden, rows, range(self.num_layers), mask, at.to(self.device), frames)
 
     def _position_embeddings(self, positions: torch.Tensor, like: torch.Tensor,
                              plans: Sequence[arch.Layer]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -5,12 +5,13 @@ times one forward over eight tokens. Concurrent streams (KVBoost.stream_from, st
 threads) therefore hand their steps to the engine's `DecodeBatcher`, a group commit: the first caller while no
 batch runs leads. It waits briefly for the rest of the round (until every stream registered as decoding has
 submitted, or WINDOW_S, whichever comes first), takes the engine lock, runs one forward over every pending step
-(adapter.decode_rows: each sequence at its own position in its own cache) and hands each caller its row's
+(adapter.decode_rows: each sequence at its own position in its own cache) and hands each caller its rows'
 logits. The others wait on a Condition meanwhile; those who come during a batch form the next one.
 
-A lone stream is a batch of one, run exactly as KVBoost.decode_step runs it, with its step's draft tokens
-(lookahead.py) in the same forward; in a batch of several, each stream's step is its one token. An error in a
-batch's forward reaches every caller of that batch, and the next batch runs as usual.
+Each step carries its token and its draft tokens (lookahead.py), all in the same forward: a lone stream's batch
+runs exactly as KVBoost.decode_step runs it; in a batch of several, a stream with fewer drafts than another pads
+its row (the padding is written nowhere). An error in a batch's forward reaches every caller of that batch, and
+the next batch runs as usual.
 
 A registered stream that is not stepping (its consumer is slow, or steps several streams from one thread) costs
 the others at most WINDOW_S per step.
@@ -36,20 +37,27 @@ WINDOW_S = 0.003
 
 @torch.inference_mode()
 def decode(adapter, caches: Sequence[KVBuffers], tokens: Sequence[int], positions: Sequence[int],
-           drafts: Sequence[int] = ()) -> torch.Tensor:
-    """Append tokens[b] at positions[b] to caches[b], for each of B sequences: the next-token logits [B, V] fp32.
-    `drafts` (one sequence only, lookahead.py): tokens appended after tokens[0] in the same forward, each row the
-    logits after its token: [1 + D, V]."""
+           drafts: Sequence[Sequence[int]] = ()) -> list[torch.Tensor]:
+    """Append tokens[b] at positions[b] to caches[b], then drafts[b] after it (lookahead.py; none by default), for
+    each of B sequences in one forward: per sequence the logits after its token and after each draft, fp32
+    [1 + D_b, V]."""
+    drafts = list(drafts) or [()] * len(caches)
     if len(caches) == 1:  # one request: the single-sequence path as it always ran (no padding, its own masks)
-        token_ids = torch.tensor([tokens[0], *drafts])
+        token_ids = torch.tensor([tokens[0], *drafts[0]])
         at = torch.arange(positions[0], positions[0] + len(token_ids))
         hidden = adapter.run_layers(adapter.embed(token_ids), at, caches[0], range(adapter.num_layers), int(at[-1]) + 1)
-        return adapter.logits(hidden)
-    token_ids, at = torch.tensor(list(tokens)), torch.tensor(list(positions))
-    hidden = adapter.embed(token_ids)  # [1, B, H]
-    hidden = adapter.decode_rows(hidden.transpose(0, 1), at, list(caches))  # [B, 1, H]
-    return adapter.logits(hidden.transpose(0, 1))
-
+        return [adapter.logits(hidden)]
+    counts = [1 + len(d) for d in drafts]
+    width = max(counts)
+    rows = []
+    for token, row_drafts in zip(tokens, drafts, strict=True):
+        row = [token, *row_drafts]
+        rows.append(row + row[-1:] * (width - len(row)))  # padding repeats the last token; RowsCache writes none
+    hidden = adapter.embed(torch.tensor(rows).flatten())  # [1, B * Q, H]
+    hidden = adapter.decode_rows(hidden.view(len(rows), width, -1), torch.tensor(list(positions)), list(caches),
+                                 counts)  # [B, Q, H]
+    own = torch.cat([hidden[b, :n] for b, n in enumerate(counts)])  # the LM head for the rows that mean something
+    return list(adapter.logits(own[None]).split(counts))
 
 class EngineLock:
     """The engine's re-entrant lock, which can tell whether the calling thread holds it (threading.RLock keeps
@@ -93,7 +101,7 @@ class _Step:
     token: int
     position: int
     drafts: tuple[int, ...] = ()
-    logits: torch.Tensor | None = None  # [1 + D, V], once done (D = 0 in a batch of several steps)
+    logits: torch.Tensor | None = None  # [1 + D, V], once done
     error: BaseException | None = None
     done: bool = False
 
@@ -141,14 +149,13 @@ class DecodeBatcher:
 
     def step(self, cache: KVBuffers, token: int, position: int, drafts: Sequence[int] = ()) -> torch.Tensor:
         """Append `token` at `position` to `cache` in the next batch: the next-token logits [V] fp32. With `drafts`
-        (lookahead.py), [1 + D, V]: the rows after the token and after each draft, appended after it, D = len(drafts)
-        when the step runs alone, 0 in a batch with other streams' steps (their rows hold one token each)."""
+        (lookahead.py), [1 + D, V]: the rows after the token and after each draft, appended after it."""
         if self.lock.held_here():
             # The caller holds the engine lock already (calibration decodes under it): a leader would wait for
             # that lock while this caller waited for the leader. It runs alone, at once.
             mine = _Step(cache, token, position, tuple(drafts))
             with self.lock:
-                mine.logits = decode(self.adapter, [cache], [token], [position], drafts)
+                (mine.logits,) = decode(self.adapter, [cache], [token], [position], [mine.drafts])
             return mine.result()
         mine = _Step(cache, token, position, tuple(drafts))
         with self._changed:
@@ -165,14 +172,10 @@ class DecodeBatcher:
             batch, self._pending = self._pending, []
         try:
             with self.lock:
-                if len(batch) == 1:
-                    (only,) = batch
-                    only.logits = decode(self.adapter, [only.cache], [only.token], [only.position], only.drafts)
-                else:
-                    logits = decode(self.adapter, [s.cache for s in batch], [s.token for s in batch],
-                                    [s.position for s in batch])
-                    for s, row in zip(batch, logits, strict=True):
-                        s.logits = row[None]
+                logits = decode(self.adapter, [s.cache for s in batch], [s.token for s in batch],
+                                [s.position for s in batch], [s.drafts for s in batch])
+                for s, rows in zip(batch, logits, strict=True):
+                    s.logits = rows
         except BaseException as e:  # every caller of the batch gets it; the batcher goes on
             for s in batch:
                 s.error = e
@@ -184,6 +187,6 @@ class DecodeBatcher:
                 self.counters["batches"] += 1
                 self.counters["rows"] += len(batch)
                 self.counters["largest"] = max(self.counters["largest"], len(batch))
-                self.counters["drafted"] += len(batch[0].drafts) if len(batch) == 1 else 0
+                self.counters["drafted"] += sum(len(s.drafts) for s in batch)
                 self._changed.notify_all()
         return mine.result()

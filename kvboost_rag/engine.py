@@ -417,7 +417,7 @@ class KVBoost:
     def decode_step(self, cache: KVBuffers, token_id: int, position: int) -> torch.Tensor:
         """Append one token at `position`, alone (streams decode through `batcher`); the next-token logits [V]."""
         with self.lock:
-            return batching.decode(self.adapter, [cache], [token_id], [position])[0]
+            return batching.decode(self.adapter, [cache], [token_id], [position])[0][0]
 
     @torch.inference_mode()
     def continuation_logits(self, pre: Prefill, token_ids: Sequence[int]) -> torch.Tensor:

@@ -6,8 +6,8 @@ keep what was assembled there. The model's attention modules call `update(k, v, 
 on whatever cache they are given; this class answers that call by scattering the new K/V to
 `write_positions` and handing back the buffer up to `attend_len` to attend over.
 
-`RowsCache` answers the same call for a batched decode step (batching.py): B requests, one new token each,
-every request in its own KVBuffers at its own position.
+`RowsCache` answers the same call for a batched decode step (batching.py): B requests, a few new tokens each
+(the token and its drafts), every request in its own KVBuffers at its own position.
 """
 
 from __future__ import annotations
@@ -70,36 +70,38 @@ class KVBuffers:
 
 
 class RowsCache:
-    """B sequences decoding one token each, every one in its own KVBuffers (batch 1) at its own position.
+    """B sequences decoding a few tokens each, every one in its own KVBuffers (batch 1) at its own position.
 
-    Each layer's update writes row b's new K/V into its own buffers at positions[b] and hands back all rows'
-    K/V padded to one length, K_max = max(positions) + 1, for the attention to mask (adapter.decode_rows).
-    That is a copy of every row's K/V per layer: separate per-request buffers keep the prefill path and the
-    fidelity guard's switch to a fresh exact cache (a stream swapping its KVBuffers mid-answer) untouched,
-    and a decode step's copy is small next to its weight reads.
+    Row b's first counts[b] tokens are its own, at positions[b] onwards; the rest of its Q only pad it to the
+    batch's width (a stream with fewer drafts than another's) and are written nowhere. Each layer's update writes
+    row b's own new K/V into its buffers and hands back all rows' K/V padded to one length, K_max = the furthest
+    row's end, for the attention to mask (adapter.decode_rows). That is a copy of every row's K/V per layer:
+    separate per-request buffers keep the prefill path and the fidelity guard's switch to a fresh exact cache (a
+    stream swapping its KVBuffers mid-answer) untouched, and a decode step's copy is small next to its weight reads.
     """
 
-    def __init__(self, caches: list[KVBuffers], positions: list[int]):
+    def __init__(self, caches: list[KVBuffers], positions: list[int], counts: list[int] | None = None):
         self.caches, self.positions = caches, positions
-        self.attend_len = max(positions) + 1  # K_max
+        self.counts = counts or [1] * len(caches)
+        self.attend_len = max(p + n for p, n in zip(positions, self.counts, strict=True))  # K_max
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key_states, value_states: [B, H_kv, 1, D] -> keys, values: [B, H_kv, K_max, D]."""
+        """key_states, value_states: [B, H_kv, Q, D] -> keys, values: [B, H_kv, K_max, D]."""
         b, heads, _, d = key_states.shape
         if b == 1:  # a lone stream: its own buffers are the keys to attend to, nothing to pad (no copy per layer)
-            cache, position = self.caches[0], self.positions[0]
+            cache, start, end = self.caches[0], self.positions[0], self.positions[0] + self.counts[0]
             own_keys, own_values = cache.keys[layer_idx], cache.values[layer_idx]  # [1, H_kv, capacity, D]
-            own_keys[:, :, position] = key_states[:, :, 0]
-            own_values[:, :, position] = value_states[:, :, 0]
-            return own_keys[:, :, :position + 1], own_values[:, :, :position + 1]
-        # Zeros past each row's own position, not empty memory: the buffers' unwritten tail may hold NaN, and a
-        # masked NaN still poisons the softmax (NaN + min is NaN). The mask gives the zeros no weight.
+            own_keys[:, :, start:end] = key_states[:, :, :end - start]
+            own_values[:, :, start:end] = value_states[:, :, :end - start]
+            return own_keys[:, :, :end], own_values[:, :, :end]
+        # Zeros past each row's own end, not empty memory: the buffers' unwritten tail may hold NaN, and a masked
+        # NaN still poisons the softmax (NaN + min is NaN). The mask gives the zeros no weight.
         keys = key_states.new_zeros(b, heads, self.attend_len, d)
         values = value_states.new_zeros(b, heads, self.attend_len, d)
-        for row, (cache, position) in enumerate(zip(self.caches, self.positions, strict=True)):
+        for row, (cache, start, n) in enumerate(zip(self.caches, self.positions, self.counts, strict=True)):
             own_keys, own_values = cache.keys[layer_idx][0], cache.values[layer_idx][0]  # [H_kv, capacity, D]
-            own_keys[:, position] = key_states[row, :, 0]
-            own_values[:, position] = value_states[row, :, 0]
-            keys[row, :, :position + 1] = own_keys[:, :position + 1]
-            values[row, :, :position + 1] = own_values[:, :position + 1]
+            own_keys[:, start:start + n] = key_states[row, :, :n]
+            own_values[:, start:start + n] = value_states[row, :, :n]
+            keys[row, :, :start + n] = own_keys[:, :start + n]
+            values[row, :, :start + n] = own_values[:, :start + n]
         return keys, values

@@ -15,10 +15,9 @@ man_pages (24 prompts) need 0.50 forwards a token with 2 drafts (EngineConfig.lo
 (docs/method.md).
 
 Greedy requests only: a sampled token would need rejection sampling to keep its distribution; they take one token
-per step. Not within a batch of several streams either (the step then runs one token per stream): batching already
-shares each weight read among them. The rows of a forward over several tokens are not bit for bit those of forwards
-over one (other matmul shapes), so a token at a near-tie can differ from one-token decoding's, as it can between a
-lone stream and a batched one.
+per step. Concurrent streams check their drafts in one batched forward (batching.py). The rows of a forward over
+several tokens are not bit for bit those of forwards over one (other matmul shapes), so a token at a near-tie can
+differ from one-token decoding's, as it can between a lone stream and a batched one.
 """
 
 from __future__ import annotations
@@ -79,6 +78,6 @@ class Lookahead:
         if not drafts:
             self._pending = []
             return batcher.step(cache, token, position)
-        rows = batcher.step(cache, token, position, drafts)  # [1 + D, V], D = 0 when batched with other streams
+        rows = batcher.step(cache, token, position, drafts)  # [1 + D, V]
         self._pending, self._cache = list(zip(drafts, rows[1:], strict=False)), cache
         return rows[0]

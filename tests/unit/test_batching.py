@@ -65,7 +65,7 @@ def batched_gap(engine, break_positions: bool = False, break_windows: bool = Fal
         windows = adapter.windows
         if break_windows:
             adapter.windows = dict.fromkeys(windows)  # every layer attends to everything before it
-        rows = batching.decode(adapter, together, tokens, given)
+        rows = torch.stack([own[0] for own in batching.decode(adapter, together, tokens, given)])
         adapter.windows = windows
     assert rows.shape == expected.shape and torch.isfinite(rows).all()
     gap = (rows - expected).abs().max().item()
@@ -162,11 +162,11 @@ def test_an_error_in_a_batch_reaches_its_callers_and_the_batcher_goes_on(make_ti
     caches = [prefilled(engine.adapter, s) for s in ids]
     real, calls = batching.decode, []
 
-    def failing_once(adapter, caches, tokens, positions):
+    def failing_once(adapter, caches, tokens, positions, drafts=()):
         calls.append(len(caches))
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return real(adapter, caches, tokens, positions)
+        return real(adapter, caches, tokens, positions, drafts)
 
     monkeypatch.setattr(batching, "decode", failing_once)
     outcomes = [[], []]

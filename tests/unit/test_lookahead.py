@@ -3,9 +3,11 @@
 (a) the drafter proposes what followed the longest n-gram ending the text, where it occurred last;
 (b) a forward over a token and its drafts gives each row the logits (and K/V) of decoding them one at a time, on
     every family of the architecture matrix;
-(c) a greedy stream with drafts gives the tokens one-token decoding gives, in fewer forwards; a sampled one and a
-    stream batched with another take one token per forward;
-(d) rows checked in a cache the guard has since replaced are never served.
+(c) a batched step over several streams, each with its own number of drafts, gives each row its own one-token
+    steps' logits and K/V and writes none of its padding, on every family;
+(d) a greedy stream with drafts gives the tokens one-token decoding gives, in fewer forwards; a sampled one takes
+    one token per forward; a stream batched with another checks its drafts in the shared forward;
+(e) rows checked in a cache the guard has since replaced are never served.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def test_a_step_with_drafts_gives_each_row_the_logits_of_decoding_them_one_at_a_
     alone, together, shifted = prefilled(adapter, ids), prefilled(adapter, ids), prefilled(adapter, ids)
     with torch.inference_mode():
         expected = torch.stack([engine.decode_step(alone, t, n + i) for i, t in enumerate(tokens)])
-        rows = batching.decode(adapter, [together], tokens[:1], [n], tokens[1:])
-        wrong = batching.decode(adapter, [shifted], tokens[:1], [n - 1], tokens[1:])  # one place early
+        (rows,) = batching.decode(adapter, [together], tokens[:1], [n], [tokens[1:]])
+        (wrong,) = batching.decode(adapter, [shifted], tokens[:1], [n - 1], [tokens[1:]])  # one place early
     # A forward over 3 rows sums in other orders than 3 over one: 3e-6 apart, and 1.5e-4 in about one run of 20
     # (logits up to ~4); one place off moves them by far more.
     assert rows.shape == expected.shape and (rows - expected).abs().max().item() < ROWS_ATOL
@@ -59,6 +61,28 @@ def test_a_step_with_drafts_gives_each_row_the_logits_of_decoding_them_one_at_a_
     for layer in range(adapter.num_layers):
         assert (alone.keys[layer][:, :, n:n + 3] - together.keys[layer][:, :, n:n + 3]).abs().max() < ROWS_ATOL
         assert (alone.values[layer][:, :, n:n + 3] - together.values[layer][:, :, n:n + 3]).abs().max() < ROWS_ATOL
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_a_batched_step_with_drafts_gives_each_stream_its_own_rows(family, bundled_tokenizer):
+    engine = engine_on(build(family.config, family.settings), bundled_tokenizer, family.model_type)
+    adapter = engine.adapter
+    seqs = sequences(adapter)  # three lengths, across and inside the sliding windows
+    steps = [[5, 17, 29], [41], [7, 8]]  # each stream's token and drafts: 2, 0 and 1 drafts, padded to 3 rows
+    positions = [s.shape[0] for s in seqs]
+    alone, together = [prefilled(adapter, s) for s in seqs], [prefilled(adapter, s) for s in seqs]
+    with torch.inference_mode():
+        expected = [torch.stack([engine.decode_step(cache, t, p + i) for i, t in enumerate(step)])
+                    for cache, step, p in zip(alone, steps, positions, strict=True)]
+        rows = batching.decode(adapter, together, [step[0] for step in steps], positions,
+                               [step[1:] for step in steps])
+    for got, want, a, b, p in zip(rows, expected, alone, together, positions, strict=True):
+        assert got.shape == want.shape and (got - want).abs().max().item() < ROWS_ATOL
+        n = want.shape[0]
+        for layer in range(adapter.num_layers):
+            assert (a.keys[layer][:, :, p:p + n] - b.keys[layer][:, :, p:p + n]).abs().max() < ROWS_ATOL
+            assert (a.values[layer][:, :, p:p + n] - b.values[layer][:, :, p:p + n]).abs().max() < ROWS_ATOL
+            assert b.keys[layer][:, :, p + n:].isnan().all()  # the padding was written nowhere
 
 
 def _answer(engine, prompt: str, **params):
@@ -87,7 +111,7 @@ def test_sampled_answers_take_one_token_per_forward(make_tiny_engine):
 
 
 @pytest.mark.parametrize("drafting_leads", [True, False])
-def test_a_step_batched_with_another_streams_runs_its_token_alone(make_tiny_engine, drafting_leads):
+def test_a_step_batched_with_another_streams_checks_its_drafts_there(make_tiny_engine, drafting_leads):
     engine = make_tiny_engine()
     adapter, batcher = engine.adapter, engine.batcher
     batcher.window_s = 10.0  # the leader waits for the other stream's step, however late (it stops when it comes)
@@ -113,10 +137,15 @@ def test_a_step_batched_with_another_streams_runs_its_token_alone(make_tiny_engi
     for t in threads:
         t.join()
     assert batcher.counters["batches"] == 1 and batcher.counters["largest"] == 2
+    assert batcher.counters["drafted"] == 2
     vocab = adapter.config.vocab_size
-    assert results[0].shape == (1, vocab)  # its drafts left out of the batch
+    assert results[0].shape == (3, vocab)  # its token's row and its two drafts', from the shared forward
     assert results[1].shape == (vocab,)  # a step without drafts gets its row, led or not
-    assert (results[0][0] - results[1]).abs().max() < ATOL
+    assert (results[0][0] - results[1]).abs().max() < ROWS_ATOL  # the same token after the same prefix
+    alone = prefilled(adapter, ids)
+    with torch.inference_mode():
+        (expected,) = batching.decode(adapter, [alone], [7], [60], [[8, 9]])
+    assert (results[0] - expected).abs().max() < ROWS_ATOL
 
 
 class _Forwards:
