@@ -74,6 +74,7 @@ def answer_together(engine, pres, tokens: int, drafts: int) -> tuple[list[tuple[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data")
+    p.add_argument("--model", default=None, help="a model name models.py knows, or a folder (default: the bundled one)")
     p.add_argument("--skip", type=int, default=0)
     p.add_argument("--limit", type=int, default=24)
     p.add_argument("--streams", type=int, default=4)
@@ -81,7 +82,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     items = load_items(args.data)[args.skip:args.skip + args.limit]
-    engine = KVBoost.from_pretrained(config=EngineConfig(shadow_share=0.0, shadow_share_young=0.0))
+    engine = KVBoost.from_pretrained(args.model, config=EngineConfig(shadow_share=0.0, shadow_share_young=0.0))
     engine.ingest(list(dict.fromkeys(d for item in items for d in item.documents)))
     costs = forward_costs(engine, items)
     print("ms a forward, B streams x Q tokens:", {k: round(v, 1) for k, v in costs.items()}, flush=True)

@@ -38,13 +38,14 @@ def decoded(engine, pre, tokens: int, drafts: int) -> tuple[tuple[int, ...], flo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data")
+    p.add_argument("--model", default=None, help="a model name models.py knows, or a folder (default: the bundled one)")
     p.add_argument("--skip", type=int, default=0)
     p.add_argument("--limit", type=int, default=24)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     items = load_items(args.data)[args.skip:args.skip + args.limit]
-    engine = KVBoost.from_pretrained(config=EngineConfig(shadow_share=0.0, shadow_share_young=0.0))
+    engine = KVBoost.from_pretrained(args.model, config=EngineConfig(shadow_share=0.0, shadow_share_young=0.0))
     engine.ingest(list(dict.fromkeys(d for item in items for d in item.documents)))
     drafts = EngineConfig.lookahead
     rows = []

@@ -17,7 +17,9 @@ than a full prefill (the H200 of docs/gpu_h200/) stops repairing.
 
 Skipping only ever serves a request from a cache nearer to a full prefill's: it moves cost, never fidelity.
 Until a step has been judged MIN_OUTCOMES times and both costs timed MIN_TIMINGS times it is tried; a skipped
-step is still tried once every EXPLORE_EVERY skips, so that its share follows what is asked now.
+step is still tried now and then, so that its share follows what is asked now: after EXPLORE_EVERY skips, then
+after twice as many each time it still does not pay, up to EXPLORE_MAX (a trial refused costs its prefill: at
+every 8th request that was ~6% of `strict`'s prefill time on a CPU where no repair of it lasts; at every 64th, <1%).
 
 The record goes with the fidelity curves (KVBoost.set_predictor: `to_json` in the fidelity file's metadata, the same
 bytes in Redis), written when calibration has seeded it (calibrate.py) and at every refit of the online checks; an
@@ -40,7 +42,8 @@ WINDOW = 32  # the judgments of a step kept: the newest
 TIMINGS = 16  # the build times of a step kept: the newest
 MIN_OUTCOMES = 8
 MIN_TIMINGS = 3
-EXPLORE_EVERY = 8
+EXPLORE_EVERY = 8  # skips before a skipped step's first trial
+EXPLORE_MAX = 64  # the most skips between its trials, the wait doubling after each that finds it still not paying
 FULL = 1.0  # a full prefill's budget, as repair/guard.py records it
 
 Step = tuple[str, str, float]  # (strategy, level, budget) of a judged cache
@@ -53,7 +56,8 @@ class Routes:
     enabled: bool = True
     _trusted: dict[Step, collections.deque[bool]] = field(default_factory=dict)
     _seconds_per_token: dict[tuple[str, float], collections.deque[float]] = field(default_factory=dict)
-    _skips: collections.Counter[Step] = field(default_factory=collections.Counter)
+    _skips: collections.Counter[Step] = field(default_factory=collections.Counter)  # since its last trial
+    _explore_after: dict[Step, int] = field(default_factory=dict)  # skips before its next trial
     _lock: threading.Lock = field(default_factory=threading.Lock)
     counters: collections.Counter[str] = field(default_factory=collections.Counter)  # tried, skipped, explored
 
@@ -90,11 +94,17 @@ class Routes:
             return True
         share, cost = self.trusted_share(step), self.cost(step[0], step[2])
         if share is None or cost is None or share > cost:
+            with self._lock:  # it pays: should it stop paying, its trials start again from EXPLORE_EVERY
+                self._explore_after.pop(step, None)
             self.counters["tried"] += 1
             return True
         with self._lock:
             self._skips[step] += 1
-            explore = self._skips[step] % EXPLORE_EVERY == 0
+            wait = self._explore_after.get(step, EXPLORE_EVERY)
+            explore = self._skips[step] >= wait
+            if explore:
+                self._skips[step] = 0
+                self._explore_after[step] = min(2 * wait, EXPLORE_MAX)
         self.counters["explored" if explore else "skipped"] += 1
         return explore
 

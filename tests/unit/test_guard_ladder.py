@@ -175,7 +175,8 @@ def test_a_later_token_no_budget_trusts_moves_to_a_full_prefill(engine, prompt):
 def test_a_step_the_guard_never_trusts_is_skipped_once_it_is_measured_not_to_pay(engine, prompt, monkeypatch):
     """routes.py: a repair refused every time costs its prefill and then a full prefill's; once measured so, the
     request goes straight to the full prefill (the same answer, fewer prefills), and tries the repair again now and
-    then (routes.EXPLORE_EVERY) in case what is asked has changed."""
+    then in case what is asked has changed: after routes.EXPLORE_EVERY skips, then twice as many while it still
+    does not pay."""
     engine.predictor = constant(ALWAYS)  # no repair trusted, at any budget
     built = []
     monkeypatch.setattr(guard.Builder, "repaired", _counting(guard.Builder.repaired, built))
@@ -193,6 +194,10 @@ def test_a_step_the_guard_never_trusts_is_skipped_once_it_is_measured_not_to_pay
         assert out.token_ids == full.token_ids and out.served == (Served(0, FULL, 1.0, out.prompt_tokens),)
         assert len(built) == tried + (steps if i == routes.EXPLORE_EVERY else 0)  # only the exploring one repairs
     assert engine.routes.counters["skipped"] == steps * (routes.EXPLORE_EVERY - 1)
+    tried = len(built)
+    for i in range(1, 2 * routes.EXPLORE_EVERY + 1):  # refused again: the next trial waits twice as long
+        engine.generate(prompt, max_new_tokens=2, write_back=False)
+        assert len(built) == tried + (steps if i == 2 * routes.EXPLORE_EVERY else 0)
 
 
 native_bf16 = pytest.mark.skipif(not models.native_matmuls(torch.bfloat16, torch.device("cpu")),
@@ -298,6 +303,24 @@ def measured(trusted: bool, repair_s: float, full_s: float = 1.0) -> routes.Rout
         record.timed("cacheblend", BALANCED, repair_s, 100)
         record.timed("full", routes.FULL, full_s, 100)
     return record
+
+
+def test_a_skipped_step_is_tried_less_often_while_it_still_does_not_pay_and_soon_again_once_it_did():
+    record, step = measured(False, 0.5), ("cacheblend", "balanced", BALANCED)
+    record.timed("full", FULL, 1.0, 100)
+
+    def trials(requests: int) -> list[int]:
+        return [i for i in range(1, requests + 1) if record.worth(step)]
+
+    every = routes.EXPLORE_EVERY
+    assert trials(7 * every) == [every, 3 * every, 7 * every]  # after 8, then 16, then 32 skips
+    assert trials(2 * routes.EXPLORE_MAX) == [routes.EXPLORE_MAX, 2 * routes.EXPLORE_MAX]  # then at most 64
+    for _ in range(routes.WINDOW):  # what is asked has changed: its trials hold now, and it pays again
+        record.judged(step, True)
+    assert record.worth(step)
+    for _ in range(routes.WINDOW):  # and changes back: trials start again from EXPLORE_EVERY
+        record.judged(step, False)
+    assert trials(every) == [every]
 
 
 @pytest.mark.parametrize("trusted, repair_s, repairs", [(True, 0.5, True), (True, 2.0, False), (False, 0.01, False)])
