@@ -59,6 +59,7 @@ def decode(adapter, caches: Sequence[KVBuffers], tokens: Sequence[int], position
     own = torch.cat([hidden[b, :n] for b, n in enumerate(counts)])  # the LM head for the rows that mean something
     return list(adapter.logits(own[None]).split(counts))
 
+
 class EngineLock:
     """The engine's re-entrant lock, which can tell whether the calling thread holds it (threading.RLock keeps
     that to itself): a step taken under it must not wait for a leader that waits for it."""
