@@ -15,7 +15,6 @@ of 1 + D tokens each costs, and how fast B concurrent answers finish with and wi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -23,9 +22,9 @@ import threading
 import time
 
 import torch
+from lookahead_speed import setup  # this folder: Python puts a script's folder on sys.path
 
-from kvboost_rag import KVBoost, batching
-from kvboost_rag.bench.data import load_items
+from kvboost_rag import batching
 from kvboost_rag.bench.run import render_prompt
 from kvboost_rag.config import EngineConfig
 from kvboost_rag.generation import SamplingParams
@@ -72,18 +71,7 @@ def answer_together(engine, pres, tokens: int, drafts: int) -> tuple[list[tuple[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data")
-    p.add_argument("--model", default=None, help="a model name models.py knows, or a folder (default: the bundled one)")
-    p.add_argument("--skip", type=int, default=0)
-    p.add_argument("--limit", type=int, default=24)
-    p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
-    items = load_items(args.data)[args.skip:args.skip + args.limit]
-    engine = KVBoost.from_pretrained(args.model, config=EngineConfig(shadow_share=0.0, shadow_share_young=0.0))
-    engine.ingest(list(dict.fromkeys(d for item in items for d in item.documents)))
+    args, items, engine = setup(__doc__, streams={"type": int, "default": 4})
     costs = forward_costs(engine, items)
     print("ms a forward, B streams x Q tokens:", {k: round(v, 1) for k, v in costs.items()}, flush=True)
     drafts, b = EngineConfig.lookahead, args.streams

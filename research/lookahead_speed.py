@@ -35,18 +35,27 @@ def decoded(engine, pre, tokens: int, drafts: int) -> tuple[tuple[int, ...], flo
     return last.result.token_ids, time.perf_counter() - started, engine.batcher.counters["batches"] - before
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def setup(description: str, **more: dict) -> tuple[argparse.Namespace, list, KVBoost]:
+    """The prompt-lookup harnesses' common start: their arguments (`more`: name -> add_argument's keywords), the
+    items, and the model with those items' documents ingested as shipped, shadow checks off."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data")
     p.add_argument("--model", default=None, help="a model name models.py knows, or a folder (default: the bundled one)")
     p.add_argument("--skip", type=int, default=0)
     p.add_argument("--limit", type=int, default=24)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--json", default=None)
+    for name, keywords in more.items():
+        p.add_argument(f"--{name}", **keywords)
     args = p.parse_args()
     items = load_items(args.data)[args.skip:args.skip + args.limit]
     engine = KVBoost.from_pretrained(args.model, config=EngineConfig(shadow_share=0.0, shadow_share_young=0.0))
     engine.ingest(list(dict.fromkeys(d for item in items for d in item.documents)))
+    return args, items, engine
+
+
+def main() -> None:
+    args, items, engine = setup(__doc__)
     drafts = EngineConfig.lookahead
     rows = []
     for i, item in enumerate([items[0], *items]):  # the first, twice: a warm-up
