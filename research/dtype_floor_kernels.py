@@ -24,13 +24,19 @@ from kvboost_rag.bench.data import load_items
 from kvboost_rag.generation import SamplingParams
 
 
-def calibration_prompts(data: str, prompts: int):
-    """The bundled model in float32 with `data`'s documents ingested (uncalibrated), and `prompts` calibration prompts
-    drawn from them as calibration draws its own. Also used by int8_prefill.py."""
+def calibration_prompts(description: str, prompts: int):
+    """The harness's arguments (`data`, `--prompts`, default `prompts`, `--tokens`), the bundled model in float32 with
+    the data's documents ingested (uncalibrated), and `--prompts` calibration prompts drawn from them as calibration
+    draws its own. Also used by int8_prefill.py."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data")
+    p.add_argument("--prompts", type=int, default=prompts)
+    p.add_argument("--tokens", type=int, default=32)
+    args = p.parse_args()
     engine = KVBoost.from_pretrained(calibrate=False)
-    docs = list(dict.fromkeys(d for item in load_items(data) for d in item.documents))
+    docs = list(dict.fromkeys(d for item in load_items(args.data) for d in item.documents))
     engine.ingest(docs)
-    return engine, cal.calibration_set(engine, docs, prompts, cal.PER_PROMPT)
+    return args, engine, cal.calibration_set(engine, docs, args.prompts, cal.PER_PROMPT)
 
 
 def forced_flips(engine, drawn, kernels: dict, tokens: int) -> tuple[dict[str, list[list[bool]]], dict[str, float]]:
@@ -52,12 +58,7 @@ def forced_flips(engine, drawn, kernels: dict, tokens: int) -> tuple[dict[str, l
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data")
-    p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--tokens", type=int, default=32)
-    args = p.parse_args()
-    engine, drawn = calibration_prompts(args.data, args.prompts)
+    args, engine, drawn = calibration_prompts(__doc__, prompts=24)
     kernels = {"torch bf16": ModelAdapter(models.in_dtype(engine.adapter.model, torch.bfloat16)),
                "bf16_copy": ModelAdapter(models.bf16_copy(engine.adapter.model))}
     flips, seconds = forced_flips(engine, drawn, kernels, args.tokens)

@@ -10,7 +10,6 @@ from float32's no more often than bf16's would be one; int8 is the other fast ar
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 
@@ -34,12 +33,7 @@ def int8_copy(model: torch.nn.Module, head: bool) -> torch.nn.Module:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data")
-    p.add_argument("--prompts", type=int, default=12)
-    p.add_argument("--tokens", type=int, default=32)
-    args = p.parse_args()
-    engine, drawn = calibration_prompts(args.data, args.prompts)
+    args, engine, drawn = calibration_prompts(__doc__, prompts=12)
     base = engine.adapter.model
     kernels = {"float32": ModelAdapter(base), "bf16": ModelAdapter(models.bf16_copy(base)),
                "int8": ModelAdapter(int8_copy(base, head=True)),
