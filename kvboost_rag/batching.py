@@ -151,14 +151,13 @@ class DecodeBatcher:
     def step(self, cache: KVBuffers, token: int, position: int, drafts: Sequence[int] = ()) -> torch.Tensor:
         """Append `token` at `position` to `cache` in the next batch: the next-token logits [V] fp32. With `drafts`
         (lookahead.py), [1 + D, V]: the rows after the token and after each draft, appended after it."""
+        mine = _Step(cache, token, position, tuple(drafts))
         if self.lock.held_here():
             # The caller holds the engine lock already (calibration decodes under it): a leader would wait for
             # that lock while this caller waited for the leader. It runs alone, at once.
-            mine = _Step(cache, token, position, tuple(drafts))
             with self.lock:
                 (mine.logits,) = decode(self.adapter, [cache], [token], [position], [mine.drafts])
             return mine.result()
-        mine = _Step(cache, token, position, tuple(drafts))
         with self._changed:
             self._pending.append(mine)
             self._changed.notify_all()

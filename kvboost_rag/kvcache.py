@@ -70,7 +70,8 @@ class KVBuffers:
 
 
 class RowsCache:
-    """B sequences decoding a few tokens each, every one in its own KVBuffers (batch 1) at its own position.
+    """B sequences decoding a few tokens each, every one in its own KVBuffers (batch 1) at its own position. (A lone
+    sequence decodes through its own KVBuffers: batching.decode.)
 
     Row b's first counts[b] tokens are its own, at positions[b] onwards; the rest of its Q only pad it to the
     batch's width (a stream with fewer drafts than another's) and are written nowhere. Each layer's update writes
@@ -90,12 +91,6 @@ class RowsCache:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [B, H_kv, Q, D] -> keys, values: [B, H_kv, K_max, D]."""
         b, heads, _, d = key_states.shape
-        if b == 1:  # a lone stream: its own buffers are the keys to attend to, nothing to pad (no copy per layer)
-            cache, start, end = self.caches[0], self.positions[0], self.positions[0] + self.counts[0]
-            own_keys, own_values = cache.keys[layer_idx], cache.values[layer_idx]  # [1, H_kv, capacity, D]
-            own_keys[:, :, start:end] = key_states[:, :, :end - start]
-            own_values[:, :, start:end] = value_states[:, :, :end - start]
-            return own_keys[:, :, :end], own_values[:, :, :end]
         # One pair of padded tensors for every layer of the forward (a layer's attention is done with them before
         # the next layer's update): fresh ones per layer cost 3-6% of a 4-stream step (their fill, page faults).
         # Zeros past each row's own end, which no layer writes: the buffers' unwritten tail may hold NaN, and a
