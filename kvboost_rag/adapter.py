@@ -21,7 +21,10 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +58,33 @@ class Masks:
         """The masks of the queries `rows` [Q'] (indices into Q). Only for masks from `causal_mask`."""
         return Masks({kind: mask.rows(rows) if isinstance(mask, CausalRows) else mask[:, :, rows]
                       for kind, mask in self.by_kind.items()})
+
+
+# Background work (shadow.py) may give the engine to requests between two decoder layers of its own forwards: in its
+# thread, `pausing` sets what each layer first calls.
+_between_layers = threading.local()
+
+
+@contextmanager
+def pausing(pause: Callable[[], None]) -> Iterator[None]:
+    """Within it, this thread calls `pause()` before each decoder layer it runs; the time spent in it is left out of
+    `busy_clock`."""
+    def timed() -> None:
+        started = time.perf_counter()
+        pause()
+        _between_layers.paused_s = getattr(_between_layers, "paused_s", 0.0) + time.perf_counter() - started
+
+    _between_layers.pause = timed
+    try:
+        yield
+    finally:
+        _between_layers.pause = None
+
+
+def busy_clock() -> float:
+    """time.perf_counter less the seconds this thread spent paused (`pausing`): a build's own time, when background
+    work let requests through in the middle of it."""
+    return time.perf_counter() - getattr(_between_layers, "paused_s", 0.0)
 
 
 @dataclass
@@ -288,7 +318,10 @@ class ModelAdapter:
     def _drive(self, hidden: torch.Tensor, cache, layers: range, mask: Masks, position_ids: torch.Tensor,
                position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The decoder layers' own forward over `hidden`, with our cache and each layer's mask and RoPE table."""
+        pause = getattr(_between_layers, "pause", None)
         for i in layers:
+            if pause is not None:
+                pause()
             plan = self.layer_plan[i]
             # A layer without RoPE ignores its position embeddings; it still takes some.
             rope = position_embeddings.get(plan.rope) or next(iter(position_embeddings.values()), None)

@@ -92,6 +92,23 @@ class EngineLock:
         """How many entries hold the lock or wait for it (0: nobody needs the engine now)."""
         return self._wanted
 
+    @property
+    def others(self) -> int:
+        """`wanted`, less this thread's own entries."""
+        return self._wanted - (self._depth if self.held_here() else 0)
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Let go of the lock wholly, however deeply this thread holds it, and take it back as deeply after."""
+        depth = self._depth if self.held_here() else 0
+        for _ in range(depth):
+            self.__exit__()
+        try:
+            yield
+        finally:
+            for _ in range(depth):
+                self.__enter__()
+
     def held_here(self) -> bool:
         return self._owner == threading.get_ident()
 

@@ -375,7 +375,7 @@ class KVBoost:
         with self.lock:
             maps = self.drift if chosen.maps_drift and settings.drift else None
             builder = guard.Builder(self.adapter, p, chosen, settings, maps, n + max_new_tokens, self.lock, self.routes,
-                                    self.half_adapter)
+                                    self.half_adapter, [] if self.shadow.on else None)
             policy = guard.policy(chosen, settings, p, self.predictor, self.config.store.kv_bits,
                                   self.config.escalate_to, self.accounts)
             built, watch, served = guard.start(builder, policy)
@@ -480,7 +480,7 @@ class KVBoost:
         if pre.policy is not None and pre.policy.acts:  # queued only; run once the engine is idle (shadow.py)
             self.shadow.offer(shadow.Check(pre.plan.token_ids, tuple(text.token_ids),
                                            pre.judged if watch is None else tuple(watch.judged), risk,
-                                           tuple(pre.plan.segments)), pre.curve)
+                                           tuple(pre.plan.segments), pre.builder.due(), pre.builder), pre.curve)
         result = Generation(
             text=text.text, token_ids=tuple(text.token_ids), finish_reason=finish, strategy=pre.strategy,
             ttft_ms=pre.ttft_ms, total_ms=(time.perf_counter() - pre.started) * 1e3,

@@ -124,6 +124,12 @@ class ServerMetrics:
                               ("explored", "such steps tried anyway, now and then, to follow what is asked")):
                 Gauge(f"kvboost_ladder_{key}", what, registry=registry).set_function(
                     lambda key=key: routes.counters[key])
+            if shadow is not None:  # where the engine runs shadow checks, those trials are made off the request's path
+                gauge = Gauge("kvboost_ladder_trials", "skipped steps' trials made after their request, by outcome "
+                              "(held: the step's cache would have served the whole answer; dropped: the checks' queue "
+                              "was full)", ["outcome"], registry=registry)
+                for outcome in ("held", "refused", "dropped"):
+                    gauge.labels(outcome).set_function(lambda outcome=outcome: shadow.figures()["trials"][outcome])
         accounts = getattr(engine, "accounts", None)
         if accounts:  # the levels held on average (fidelity.Account): floor risk lent from answer to answer
             for key, what in (("credit", "floor risk the level's answers left unspent, to lend now"),

@@ -28,6 +28,13 @@ Off the critical path: `offer` only queues (a bounded queue: a check offered to 
 background thread runs the checks, layer by layer, each layer only while the engine is idle: no thread holds or
 waits for its lock, no stream decoding. A request that comes meanwhile waits at most one layer of one check.
 
+The trials of skipped steps (repair/routes.py: a step measured not to pay is still tried now and then) are made here
+too, whatever the request's share: the request climbs past the step, and once it is done its check carries the
+step's `Trial`; the step's cache is built again and judged along the answer served (repair/guard.py's `tried`).
+A build is not cut into layers as a check's prefill is, so the thread gives the lock up between its layers
+(adapter.pausing, batching.EngineLock.released) whenever a request wants it, and its time left out of the
+step's measured cost.
+
 Predicted against observed (`figures`): over the tokens served from reused caches, the guard's summed flip chances
 against the flips counted; over the answers, their summed risks (Generation.fidelity_estimate) against those that
 differ from a full prefill's at a served token; per floor, over the judged tokens where the check ran it, the floor
@@ -52,7 +59,9 @@ from dataclasses import dataclass
 import torch
 
 from . import fidelity
+from .adapter import pausing
 from .assembly import segments_text
+from .repair import guard
 from .repair.guard import HALF, Judged
 
 FLOORS = fidelity.FLOOR_NAMES  # fidelity.Predictor.floors' order
@@ -71,6 +80,10 @@ class Check:
     judged: tuple[Judged, ...]
     risk: float  # the predicted chance the answer differs from a full prefill's (fidelity_estimate)
     segments: tuple = ()  # the prompt's text, fixed and documents (Plan.segments): the order floor reverses them
+    # The trials of skipped steps due while it was served (repair/guard.py's Trial), made here whether or not the
+    # request's share is owed a check, and the request's builder to make them with.
+    trials: tuple[guard.Trial, ...] = ()
+    builder: guard.Builder | None = None
 
 
 class Shadow:
@@ -103,25 +116,33 @@ class Shadow:
         self._handed: dict[float | str, tuple] = {}
         _LIVE.add(self)
 
+    @property
+    def on(self) -> bool:
+        """Whether any request may be checked: then skipped steps' trials are made here too (repair/guard.py)."""
+        return self.share > 0 or self.young_share > 0
+
     def offer(self, check: Check, curve: fidelity.Predictor) -> bool:
-        """Queue `check` with the request's share (its curve's: young ones are checked more); whether it was."""
+        """Queue `check` with the request's share (its curve's: young ones are checked more), or for its trials
+        alone; whether it was queued for a check."""
         share = self.young_share if curve.tokens < YOUNG_TOKENS else self.share
-        if share <= 0 or not check.judged:
-            return False
         with self._changed:
-            owed = self._owed >= 1.0 - 1e-9  # 1e-9: 20 x 0.05 may sum to just below 1
-            self._owed += share - owed
+            owed = share > 0 and bool(check.judged) and self._owed >= 1.0 - 1e-9  # 1e-9: 20 x 0.05 may sum below 1
+            if share > 0 and check.judged:
+                self._owed += share - owed
             if not owed:
-                return False
+                if not check.trials:
+                    return False
+                check = dataclasses.replace(check, judged=())  # its trials alone
             if self._closed or len(self._queue) >= self._limit:
-                self.counters["dropped"] += 1
+                self.counters["dropped"] += owed
+                self.counters["trials_dropped"] += len(check.trials)
                 return False
             self._queue.append(check)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="kvboost-shadow", daemon=True)
                 self._thread.start()
             self._changed.notify_all()
-        return True
+        return owed
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued check has run; False on timeout."""
@@ -143,6 +164,7 @@ class Shadow:
         and the checks' own counts."""
         c = self.counters
         return {"dropped": c["dropped"], "refits": c["refits"], "samples": c["samples"], "errors": c["errors"],
+                "trials": {outcome: c[f"trials_{outcome}"] for outcome in ("held", "refused", "dropped")},
                 **self.observed().figures()}
 
     def floor_figures(self, before: fidelity.Predictor | None) -> list[dict]:
@@ -177,7 +199,12 @@ class Shadow:
                     return
                 check, self._running = self._queue.popleft(), True
             try:
-                self._learn(check, *self._tops(check))
+                if check.judged:
+                    self._learn(check, *self._tops(check))
+                for trial in check.trials:  # built whole under the lock, giving it up between layers
+                    with self._idle_lock(), pausing(self._give_way):
+                        self.counters["trials_held" if guard.tried(check.builder, trial, check.answer) else
+                                      "trials_refused"] += 1
             except _Closed:
                 pass
             except Exception as e:  # noqa: BLE001 - a failed check (a full disk, say) must not end the checks
@@ -190,12 +217,22 @@ class Shadow:
 
     def _idle_lock(self):
         """The engine's lock, taken once the engine is idle (waiting while it is not)."""
+        self._wait_idle()
+        return self.engine.lock
+
+    def _wait_idle(self) -> None:
         engine = self.engine
-        while engine.lock.wanted or engine.batcher.decoders:
+        while engine.lock.others or engine.batcher.decoders:
             if self._closed:
                 raise _Closed
             time.sleep(IDLE_POLL_S)
-        return engine.lock
+
+    def _give_way(self) -> None:
+        """Between two layers of a trial's build (adapter.pausing): while a request wants the engine, it has it."""
+        engine = self.engine
+        if engine.lock.others or engine.batcher.decoders:
+            with engine.lock.released():
+                self._wait_idle()
 
     def _tops(self, check: Check) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Full's greedy tokens along the answer (_forced), and where the request's curve has floors to refit,

@@ -37,14 +37,14 @@ never recomputes exact hits, so a cache whose only doubt is quantized exact hits
 Each step that served tokens is recorded as a `Served`: from which answer token on, which step, at which budget.
 
 A step that does not pay for itself where the engine runs (repair/routes.py: its measured cost against a full
-prefill's, its cache's measured chance of being trusted) is skipped, the request's own repair included.
+prefill's, its cache's measured chance of being trusted) is skipped, the request's own repair included; its trials,
+now and then, are made after the request (`Trial`, `tried`, run by shadow.py) where the engine runs shadow checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -52,13 +52,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import fidelity, models
-from ..adapter import ModelAdapter
+from ..adapter import ModelAdapter, busy_clock
 from ..assembly import APPROX, EXACT, Plan, assemble
 from ..config import LEVEL_BUDGETS, RepairConfig
 from ..drift import DriftMaps
 from ..kvcache import KVBuffers
 from .protocol import Request, Strategy
-from .routes import Routes
+from .routes import SKIP, TRIAL, Routes, Step
 
 # The steps of the ladder, as `Served.step` names them.
 REPAIR = "repair"  # the request's strategy at its own budget (an unguarded strategy's prefill, too)
@@ -101,6 +101,16 @@ class Built:
 
 
 @dataclass(frozen=True)
+class Trial:
+    """A skipped step's trial, due while a request was served and made once its answer is complete (`tried`)."""
+
+    key: Step  # the step as repair/routes.py keeps its record
+    step: str  # REPAIR, ESCALATE or HALF
+    budget: float
+    policy: Policy
+
+
+@dataclass(frozen=True)
 class Builder:
     """How one request's cache is made, at its own budget or a larger one, with the answer so far appended."""
 
@@ -113,6 +123,16 @@ class Builder:
     lock: AbstractContextManager  # the engine's: one forward at a time
     routes: Routes | None = None  # where each build's time is recorded (None: nowhere)
     half: Callable[[], ModelAdapter | None] = lambda: None  # the model in bf16 for HALF (made when first asked)
+    # The trials of skipped steps due while serving the request, made off its path once it is done (`Trial`);
+    # None: the engine has no shadow checks to make them, a due trial is built for the request itself.
+    trials: list[Trial] | None = None
+
+    def due(self) -> tuple[Trial, ...]:
+        """The trials due so far, handed over once: a prefill may be decoded more than once."""
+        if not self.trials:
+            return ()
+        due, self.trials[:] = tuple(self.trials), []
+        return due
 
     @torch.inference_mode()
     def repaired(self, budget: float | None = None, answer: Sequence[int] = ()) -> Built:
@@ -120,7 +140,7 @@ class Builder:
         then `answer` [T] teacher-forced after the prompt."""
         settings = self.settings if budget is None else dataclasses.replace(self.settings, recompute_ratio=budget)
         with self.lock:
-            started = time.perf_counter()  # under the lock: the build's own time, not its wait
+            started = busy_clock()  # under the lock: the build's own time, not its wait (nor a trial's pauses)
             cache = assemble(self.plan, self.adapter, self.capacity, drift=self.drift)
             done = self.strategy.prefill(Request(self.adapter, self.plan, cache, settings))
             hidden = done.hidden if not answer else self._append(cache, answer)  # [1, 1, H]
@@ -134,7 +154,7 @@ class Builder:
         """A full prefill of the prompt and `answer` into a new cache, nothing reused."""
         token_ids = self._and(answer)
         with self.lock:
-            started = time.perf_counter()
+            started = busy_clock()
             cache, logits = exact_cache(self.adapter, self.lock, token_ids, self.capacity)
             self._timed(FULL, 1.0, started, logits, len(answer))
         return Built(cache, logits, self.plan.num_tokens)
@@ -145,7 +165,7 @@ class Builder:
         copied into a float32 cache to decode from."""
         token_ids = self._and(answer)
         with self.lock:
-            started = time.perf_counter()
+            started = busy_clock()
             cache, logits = half_cache(self.adapter, self.half(), self.lock, token_ids, self.capacity)
             self._timed(HALF, 1.0, started, logits, len(answer))
         return Built(cache, logits, self.plan.num_tokens)
@@ -159,7 +179,7 @@ class Builder:
             return
         if logits.is_cuda:  # kernels run asynchronously there: the time is the work's once it is done
             torch.cuda.synchronize(logits.device)
-        self.routes.timed(name, budget, time.perf_counter() - started, self.plan.num_tokens + answer_tokens)
+        self.routes.timed(name, budget, busy_clock() - started, self.plan.num_tokens + answer_tokens)
 
     def _append(self, cache: KVBuffers, answer: Sequence[int]) -> torch.Tensor:
         """Run `answer` [T] through every layer after the prompt, writing its K/V: the last one's output [1, 1, H]."""
@@ -327,9 +347,16 @@ class Watch:
         return HALF if step == HALF else self.builder.strategy.name, str(self.policy.fidelity), budget
 
     def worth(self, budget: float, step: str = REPAIR) -> bool:
-        """Whether building the cache at `budget` pays where the engine runs (routes.py); always, without routes."""
+        """Whether to build the cache at `budget` for the request: it pays where the engine runs (routes.py), or
+        its trial is due and cannot be made off the request's path; always, without routes."""
         routes = self.builder.routes
-        return routes is None or routes.worth(self.step(budget, step))
+        if routes is None:
+            return True
+        verdict = routes.verdict(self.step(budget, step))
+        if verdict == TRIAL and self.builder.trials is not None:
+            self.builder.trials.append(Trial(self.step(budget, step), step, budget, self.policy))
+            return False
+        return verdict != SKIP
 
     def first_judged(self, logits: torch.Tensor, budget: float, step: str = REPAIR, agree_with: int | None = None
                      ) -> bool:
@@ -425,6 +452,27 @@ def start(builder: Builder, guard: Policy | None) -> tuple[Built, Watch | None, 
     if not watch.first_judged(built.logits, guard.budget):
         built = watch.climb(())
     return built, watch, tuple(watch.served)
+
+
+@torch.inference_mode()
+def tried(builder: Builder, trial: Trial, answer: Sequence[int]) -> bool:
+    """Make `trial`: build its step's cache for the request again (timed, routes.py) and judge it along `answer`
+    [T], the tokens the request was served, teacher-forced; record whether it would have served them all (its first
+    token and every later one trusted), and return it. The caller holds the engine's lock.
+
+    Judged from the answer's first token on, by a guard of the request's policy that borrows nothing (an account
+    lends to answers served, not to trials), and for an escalation by its margins alone (a served escalation's top
+    token must also be the refused repair's, which a trial does not build): a trial can misjudge cost only, never
+    fidelity, as skipping moves cost only."""
+    built = builder.halved() if trial.step == HALF else builder.repaired(trial.budget)
+    judge = fidelity.Guard(*trial.policy.judged_by(trial.step, trial.budget), trial.policy.minimum)
+    held = judge.trusts(built.logits)
+    if held and len(answer) > 1:
+        with builder.lock:
+            hidden = appended(builder.adapter, built.cache, builder.plan.num_tokens, answer[:-1])  # [1, T - 1, H]
+            held = all(judge.trusts(row) for row in builder.adapter.logits(hidden))  # before tokens 1 .. T - 1
+    builder.routes.judged(trial.key, held)
+    return held
 
 
 def resume(guard: Policy | None, builder: Builder | None, served: Sequence[Served], risk: float,

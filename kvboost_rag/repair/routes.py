@@ -18,8 +18,11 @@ than a full prefill (the H200 of docs/gpu_h200/) stops repairing.
 Skipping only ever serves a request from a cache nearer to a full prefill's: it moves cost, never fidelity.
 Until a step has been judged MIN_OUTCOMES times and both costs timed MIN_TIMINGS times it is tried; a skipped
 step is still tried now and then, so that its share follows what is asked now: after EXPLORE_EVERY skips, then
-after twice as many each time it still does not pay, up to EXPLORE_MAX (a trial refused costs its prefill: at
-every 8th request that was ~6% of `strict`'s prefill time on a CPU where no repair of it lasts; at every 64th, <1%).
+after twice as many each time it still does not pay, up to EXPLORE_MAX. Where the engine runs shadow checks, a trial
+is made off the request's path (repair/guard.py's `Trial`, run by shadow.py once the engine is idle): the request
+climbs past the step as if skipped, and the step's cache is built afterwards and judged along the answer that was
+served. Made for the request itself, a refused trial cost it that prefill and then the next step's: on a CPU
+where no repair of `strict` lasts, the 8th and 24th requests of a run took 1.9x and 2.3x a full prefill's time.
 
 The record goes with the fidelity curves (KVBoost.set_predictor: `to_json` in the fidelity file's metadata, the same
 bytes in Redis), written when calibration has seeded it (calibrate.py) and at every refit of the online checks; an
@@ -45,6 +48,7 @@ MIN_TIMINGS = 3
 EXPLORE_EVERY = 8  # skips before a skipped step's first trial
 EXPLORE_MAX = 64  # the most skips between its trials, the wait doubling after each that finds it still not paying
 FULL = 1.0  # a full prefill's budget, as repair/guard.py records it
+TRY, SKIP, TRIAL = "try", "skip", "trial"  # Routes.verdict's
 
 Step = tuple[str, str, float]  # (strategy, level, budget) of a judged cache
 
@@ -89,15 +93,22 @@ class Routes:
             return sum(outcomes) / len(outcomes) if len(outcomes) >= MIN_OUTCOMES else None
 
     def worth(self, step: Step) -> bool:
-        """Whether to build the cache of `step` = (strategy, level, budget) rather than climb past it."""
+        """Whether to build the cache of `step` = (strategy, level, budget) rather than climb past it: it pays, or
+        its trial is due (`verdict`)."""
+        return self.verdict(step) != SKIP
+
+    def verdict(self, step: Step) -> str:
+        """TRY: build the cache of `step`, it pays (or is not measured enough to say); SKIP: climb past it; TRIAL:
+        it does not pay, but its trial is due (built for the request, or, where the engine can, off its path:
+        repair/guard.py's `Trial`)."""
         if not self.enabled:
-            return True
+            return TRY
         share, cost = self.trusted_share(step), self.cost(step[0], step[2])
         if share is None or cost is None or share > cost:
             with self._lock:  # it pays: should it stop paying, its trials start again from EXPLORE_EVERY
                 self._explore_after.pop(step, None)
             self.counters["tried"] += 1
-            return True
+            return TRY
         with self._lock:
             self._skips[step] += 1
             wait = self._explore_after.get(step, EXPLORE_EVERY)
@@ -106,7 +117,7 @@ class Routes:
                 self._skips[step] = 0
                 self._explore_after[step] = min(2 * wait, EXPLORE_MAX)
         self.counters["explored" if explore else "skipped"] += 1
-        return explore
+        return TRIAL if explore else SKIP
 
     def to_json(self) -> str:
         """The judgments and timings kept, oldest first: what `restored` reads."""

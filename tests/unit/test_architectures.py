@@ -167,7 +167,9 @@ def test_rerotated_keys_are_the_models_own_at_the_new_position(model, family):
     moved = adapter.rotate_keys(k0, delta)  # [L, H_kv, S, D]
     for layer, plan in enumerate(adapter.layer_plan):
         error = ((moved[layer] - k1[layer]).norm() / k1[layer].norm()).item()
-        assert error < 1e-5, (layer, plan, error)
+        # 1e-4: one run in ten, the same first layer of the same model comes out at 5.6e-5 (the CPU kernels'
+        # choice of path, old code too); a wrong position is off by > 1e-2 (below)
+        assert error < 1e-4, (layer, plan, error)
         assert torch.allclose(v0[layer], v1[layer], atol=1e-5), (layer, plan)
         shift = ((k0[layer] - k1[layer]).norm() / k1[layer].norm()).item()
         if plan.rope is None:  # no RoPE: the keys do not depend on the position at all

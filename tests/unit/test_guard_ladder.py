@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -172,11 +174,18 @@ def test_a_later_token_no_budget_trusts_moves_to_a_full_prefill(engine, prompt):
         assert int(logits.argmax()) == out.token_ids[k]
 
 
-def test_a_step_the_guard_never_trusts_is_skipped_once_it_is_measured_not_to_pay(engine, prompt, monkeypatch):
+@pytest.mark.parametrize("checks", [True, False])
+def test_a_step_the_guard_never_trusts_is_skipped_once_it_is_measured_not_to_pay(make_tiny_engine, prompt, monkeypatch,
+                                                                                  checks):
     """routes.py: a repair refused every time costs its prefill and then a full prefill's; once measured so, the
-    request goes straight to the full prefill (the same answer, fewer prefills), and tries the repair again now and
-    then in case what is asked has changed: after routes.EXPLORE_EVERY skips, then twice as many while it still
-    does not pay."""
+    request goes straight to the full prefill (the same answer, fewer prefills), and the repair is tried again now
+    and then in case what is asked has changed: after routes.EXPLORE_EVERY skips, then twice as many while it still
+    does not pay. With shadow checks, the trial is made once the request is done, by the checks' thread (the request
+    never builds it); without, by the request itself."""
+    config = EngineConfig(calibrate=False) if checks else EngineConfig(calibrate=False, shadow_share=0.0,
+                                                                         shadow_share_young=0.0)
+    engine = make_tiny_engine(config, guarded=True)
+    engine.ingest(corpus())
     engine.predictor = constant(ALWAYS)  # no repair trusted, at any budget
     built = []
     monkeypatch.setattr(guard.Builder, "repaired", _counting(guard.Builder.repaired, built))
@@ -184,20 +193,89 @@ def test_a_step_the_guard_never_trusts_is_skipped_once_it_is_measured_not_to_pay
     for _ in range(routes.MIN_OUTCOMES):
         out = engine.generate(prompt, max_new_tokens=2, write_back=False)
         assert out.token_ids == full.token_ids and out.served == (Served(0, FULL, 1.0, out.prompt_tokens),)
+    engine.shadow.drain()
     tried = len(built)
     steps = 1 + len(guard.escalations(RepairConfig(), engine.config.escalate_to))  # its own repair, escalations
     assert tried == 1 + steps * routes.MIN_OUTCOMES  # full's own prefill, then each request's every step
+    assert {thread for thread, _ in built} == {threading.current_thread().name}  # not measured yet: all on its path
     # Measured: a repair refused every time never pays (any cost > 0 is above a trusted share of 0).
-    assert engine.routes.trusted_share(("cacheblend", "balanced", BALANCED)) == 0.0
+    own = ("cacheblend", "balanced", BALANCED)
+    assert engine.routes.trusted_share(own) == 0.0
+    judged = len(engine.routes._trusted[own])
     for i in range(1, routes.EXPLORE_EVERY + 1):
         out = engine.generate(prompt, max_new_tokens=2, write_back=False)
         assert out.token_ids == full.token_ids and out.served == (Served(0, FULL, 1.0, out.prompt_tokens),)
-        assert len(built) == tried + (steps if i == routes.EXPLORE_EVERY else 0)  # only the exploring one repairs
-    assert engine.routes.counters["skipped"] == steps * (routes.EXPLORE_EVERY - 1)
+        engine.shadow.drain()
+        assert len(built) == tried + (steps if i == routes.EXPLORE_EVERY else 0)  # only the exploring one's steps
+    # ... built by the checks' thread, or without checks by the request's
+    assert {thread for thread, _ in built[tried:]} == {"kvboost-shadow" if checks else threading.current_thread().name}
     tried = len(built)
+    assert engine.routes.counters["skipped"] == steps * (routes.EXPLORE_EVERY - 1)
+    assert len(engine.routes._trusted[own]) == judged + 1 and engine.routes.trusted_share(own) == 0.0  # refused again
+    assert engine.shadow.counters["trials_refused"] == (steps if checks else 0)
     for i in range(1, 2 * routes.EXPLORE_EVERY + 1):  # refused again: the next trial waits twice as long
         engine.generate(prompt, max_new_tokens=2, write_back=False)
+        engine.shadow.drain()
         assert len(built) == tried + (steps if i == 2 * routes.EXPLORE_EVERY else 0)
+
+
+def test_a_trial_off_the_requests_path_is_judged_along_the_answer_it_was_served(engine, prompt):
+    """guard.tried: the skipped step's cache, built again, must trust the served answer's first token and every
+    later one, teacher-forced, to count as having served it; the judgment goes into the ladder's record."""
+    engine.predictor = constant(0.06)  # a fixed risk of 0.1 per answer: one token trusted, two are not (0.116)
+    pre = engine.prefill(prompt, max_new_tokens=TOKENS, write_back=False, repair=RepairConfig(fidelity=0.1))
+    assert pre.served[0].step == REPAIR
+    answer = engine.generate(prompt, max_new_tokens=TOKENS, strategy="full", write_back=False).token_ids
+    key = ("cacheblend", "0.1", BALANCED)
+    trial = guard.Trial(key, REPAIR, BALANCED, pre.policy)
+    assert guard.tried(pre.builder, trial, answer[:1])
+    assert not guard.tried(pre.builder, trial, answer[:2])
+    engine.predictor = constant(NEVER)
+    pre = engine.prefill(prompt, max_new_tokens=TOKENS, write_back=False, repair=RepairConfig(fidelity=0.1))
+    assert guard.tried(pre.builder, dataclasses.replace(trial, policy=pre.policy), answer)
+    assert list(engine.routes._trusted[key]) == [True, False, True]
+
+
+def test_a_trial_that_holds_off_the_requests_path_is_counted_for_the_step(engine, prompt):
+    """What is asked changed: the skipped repair's trial, made by the checks' thread along the answer served, finds
+    it trusted to the end, and the record counts it (while the request itself was served by the next step)."""
+    engine.predictor = constant(ALWAYS)
+    for _ in range(routes.MIN_OUTCOMES):
+        engine.generate(prompt, max_new_tokens=2, write_back=False)
+    own = ("cacheblend", "balanced", BALANCED)
+    assert engine.routes.trusted_share(own) == 0.0
+    engine.predictor = constant(NEVER)  # every repair would be trusted now
+    for _ in range(routes.EXPLORE_EVERY):
+        out = engine.generate(prompt, max_new_tokens=2, write_back=False)
+        engine.shadow.drain()
+    assert out.served[0].step != REPAIR  # skipped for the request
+    assert engine.routes._trusted[own][-1] is True and engine.routes.trusted_share(own) > 0.0
+    assert engine.shadow.counters["trials_held"] >= 1
+
+
+def test_a_trial_off_the_requests_path_gives_the_engine_to_a_request_between_layers(engine, prompt, monkeypatch):
+    """A trial builds a whole repair (a third of a prefill or more); a request that comes meanwhile gets the engine
+    before the trial's next layer, as a shadow check's would, not after the trial."""
+    engine.predictor = constant(ALWAYS)
+    for _ in range(routes.MIN_OUTCOMES + routes.EXPLORE_EVERY - 1):
+        engine.generate(prompt, max_new_tokens=2, write_back=False)
+    engine.shadow.drain()
+    mid_trial = threading.Event()
+    project = engine.adapter.project_kv
+
+    def slow_in_trials(*args):  # cacheblend's per-layer projections; in the trial, the first one waits a little
+        if threading.current_thread().name == "kvboost-shadow" and not mid_trial.is_set():
+            mid_trial.set()
+            time.sleep(0.2)  # the request below is waiting for the lock by now
+        return project(*args)
+
+    monkeypatch.setattr(engine.adapter, "project_kv", slow_in_trials)
+    engine.generate(prompt, max_new_tokens=2, write_back=False)  # its steps' trial is due: made after it
+    assert mid_trial.wait(timeout=30)
+    with engine.lock:  # a request's forward
+        finished = engine.shadow.counters["trials_refused"]
+    engine.shadow.drain()
+    assert finished == 0 and engine.shadow.counters["trials_refused"] > 0
 
 
 native_bf16 = pytest.mark.skipif(not models.native_matmuls(torch.bfloat16, torch.device("cpu")),
@@ -345,7 +423,7 @@ def test_without_ladder_costs_every_step_is_tried(make_tiny_engine, prompt):
 
 def _counting(method, calls: list):
     def counted(self, *args, **kwargs):
-        calls.append(args)
+        calls.append((threading.current_thread().name, args))
         return method(self, *args, **kwargs)
     return counted
 
