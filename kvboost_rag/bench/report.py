@@ -61,6 +61,10 @@ def table(report: dict) -> str:
         lines.append("Held on average: " + "; ".join(
             f"{level} {c['loans']} loans, {c['borrowed']:.2f} of floor risk, {c['credit']:.2f} left of {c['cap']:g}"
             for level, c in held.items()))
+    trials = report.get("ladder_trials")
+    if trials and any(trials.values()):  # skipped steps tried after their request (repair/routes.py, shadow.py)
+        lines.append(f"Ladder trials made after their request: {trials['held']} held, {trials['refused']} refused, "
+                     f"{trials['dropped']} dropped")
     return title + "\n\n" + "\n".join(lines)
 
 

@@ -314,4 +314,5 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
     report["shadow_checks"] = shadow.figures() if shadow.checks else None
     report["floors_checked"] = engine.shadow.floor_figures(calibrated) if shadow.checks else None
     report["floor_credit"] = {level: account.figures() for level, account in engine.accounts.items()}
+    report["ladder_trials"] = engine.shadow.figures()["trials"]  # the engine's: every one of its requests
     return report

@@ -147,6 +147,9 @@ def test_the_bench_reports_the_guards_estimates_against_the_answers_that_differe
     order = next(row for row in report["floors_checked"] if row["floor"] == "order")
     assert order["samples"] == shadow["tokens"] and order["expected_before"] < 1e-6  # every token trusted
     assert f"Order floor at budget {order['budget']:g}: {order['flips']} of {order['samples']} checked" in table(report)
+    assert report["ladder_trials"] == engine.shadow.figures()["trials"]  # skipped steps tried after their request
+    report["ladder_trials"] = {"held": 1, "refused": 2, "dropped": 0}
+    assert "Ladder trials made after their request: 1 held, 2 refused, 0 dropped" in table(report)
     engine.close()
 
 

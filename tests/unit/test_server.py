@@ -381,6 +381,11 @@ def test_metrics_count_what_was_served(client, engine, base_url, docs):
     assert answered - 2 <= moved("kvboost_decode_batches") + moved("kvboost_decode_drafts_used") <= answered
     engine.routes.counters["skipped"] += 3  # the ladder's steps measured not to pay (repair/routes.py)
     assert _sample(_metrics(base_url), "kvboost_ladder_skipped") == engine.routes.counters["skipped"] >= 3
+    engine.shadow.counters.update(trials_held=1, trials_refused=2)  # their trials, made after their requests
+    scraped = _metrics(base_url)
+    for outcome in ("held", "refused", "dropped"):
+        assert _sample(scraped, "kvboost_ladder_trials", outcome=outcome) == engine.shadow.figures()["trials"][outcome]
+    assert engine.shadow.figures()["trials"]["refused"] >= 2
     # as checks that ran the floors count them
     engine.shadow.counters.update(order_tokens=10, order_predicted_flips=1.5, order_observed_flips=2)
     scraped, floors = _metrics(base_url), engine.shadow.figures()["floors"]
