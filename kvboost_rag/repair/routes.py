@@ -18,7 +18,9 @@ than a full prefill (the H200 of docs/gpu_h200/) stops repairing.
 Skipping only ever serves a request from a cache nearer to a full prefill's: it moves cost, never fidelity.
 Until a step has been judged MIN_OUTCOMES times and both costs timed MIN_TIMINGS times it is tried; a skipped
 step is still tried now and then, so that its share follows what is asked now: after EXPLORE_EVERY skips, then
-after twice as many each time it still does not pay, up to EXPLORE_MAX. Where the engine runs shadow checks, a trial
+after twice as many each time it still does not pay, up to EXPLORE_MAX, and after EXPLORE_EVERY again once a trial
+has held (a step that starts paying again is found in tens of requests, not hundreds). Where the engine runs shadow
+checks, a trial
 is made off the request's path (repair/guard.py's `Trial`, run by shadow.py once the engine is idle): the request
 climbs past the step as if skipped, and the step's cache is built afterwards and judged along the answer that was
 served. Made for the request itself, a refused trial cost it that prefill and then the next step's: on a CPU
@@ -77,6 +79,8 @@ class Routes:
         part-way."""
         with self._lock:
             self._trusted.setdefault(step, collections.deque(maxlen=WINDOW)).append(trusted)
+            if trusted:  # what is asked may have changed: the next trial comes after EXPLORE_EVERY skips again
+                self._explore_after.pop(step, None)
 
     def cost(self, strategy: str, budget: float) -> float | None:
         """A build at `budget` as a share of a full prefill's time per token; None until both are timed enough."""

@@ -393,6 +393,8 @@ def test_a_skipped_step_is_tried_less_often_while_it_still_does_not_pay_and_soon
     every = routes.EXPLORE_EVERY
     assert trials(7 * every) == [every, 3 * every, 7 * every]  # after 8, then 16, then 32 skips
     assert trials(2 * routes.EXPLORE_MAX) == [routes.EXPLORE_MAX, 2 * routes.EXPLORE_MAX]  # then at most 64
+    record.judged(step, True)  # a trial held (still not paying: 1 of 32 judgments): the next one after 8 again
+    assert record.trusted_share(step) < 0.5 and trials(3 * every) == [every, 3 * every]
     for _ in range(routes.WINDOW):  # what is asked has changed: its trials hold now, and it pays again
         record.judged(step, True)
     assert record.worth(step)
