@@ -20,11 +20,11 @@ Until a step has been judged MIN_OUTCOMES times and both costs timed MIN_TIMINGS
 step is still tried now and then, so that its share follows what is asked now: after EXPLORE_EVERY skips, then
 after twice as many each time it still does not pay, up to EXPLORE_MAX, and after EXPLORE_EVERY again once a trial
 has held (a step that starts paying again is found in tens of requests, not hundreds). Where the engine runs shadow
-checks, a trial
-is made off the request's path (repair/guard.py's `Trial`, run by shadow.py once the engine is idle): the request
-climbs past the step as if skipped, and the step's cache is built afterwards and judged along the answer that was
-served. Made for the request itself, a refused trial cost it that prefill and then the next step's: on a CPU
-where no repair of `strict` lasts, the 8th and 24th requests of a run took 1.9x and 2.3x a full prefill's time.
+checks, a trial is made off the request's path (repair/guard.py's `Trial`, run by shadow.py once the engine is
+idle): the request climbs past the step as if skipped, and the step's cache is built afterwards and judged along the
+answer that was served. Made for the request itself, a refused trial cost it that prefill and then the next step's:
+on a CPU where no repair of `strict` lasts, the 8th and 24th requests of a run took 1.9x and 2.3x a full prefill's
+time.
 
 The record goes with the fidelity curves (KVBoost.set_predictor: `to_json` in the fidelity file's metadata, the same
 bytes in Redis), written when calibration has seeded it (calibrate.py) and at every refit of the online checks; an

@@ -263,13 +263,15 @@ def test_a_trial_off_the_requests_path_gives_the_engine_to_a_request_between_lay
     mid_trial = threading.Event()
     project = engine.adapter.project_kv
 
-    def slow_in_trials(*args):  # cacheblend's per-layer projections; in the trial, the first one waits a little
+    def held_in_trials(*args):  # cacheblend's per-layer projections; in the trial, the first one waits
         if threading.current_thread().name == "kvboost-shadow" and not mid_trial.is_set():
             mid_trial.set()
-            time.sleep(0.2)  # the request below is waiting for the lock by now
+            deadline = time.monotonic() + 30
+            while not engine.lock.others and time.monotonic() < deadline:  # until the request below waits for it
+                time.sleep(0.001)
         return project(*args)
 
-    monkeypatch.setattr(engine.adapter, "project_kv", slow_in_trials)
+    monkeypatch.setattr(engine.adapter, "project_kv", held_in_trials)
     engine.generate(prompt, max_new_tokens=2, write_back=False)  # its steps' trial is due: made after it
     assert mid_trial.wait(timeout=30)
     with engine.lock:  # a request's forward
@@ -393,7 +395,7 @@ def test_a_skipped_step_is_tried_less_often_while_it_still_does_not_pay_and_soon
     every = routes.EXPLORE_EVERY
     assert trials(7 * every) == [every, 3 * every, 7 * every]  # after 8, then 16, then 32 skips
     assert trials(2 * routes.EXPLORE_MAX) == [routes.EXPLORE_MAX, 2 * routes.EXPLORE_MAX]  # then at most 64
-    record.judged(step, True)  # a trial held (still not paying: 1 of 32 judgments): the next one after 8 again
+    record.judged(step, True)  # a trial held (still not paying: 1 trusted of 9): the next one after 8 skips again
     assert record.trusted_share(step) < 0.5 and trials(3 * every) == [every, 3 * every]
     for _ in range(routes.WINDOW):  # what is asked has changed: its trials hold now, and it pays again
         record.judged(step, True)
