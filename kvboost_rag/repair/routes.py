@@ -96,15 +96,10 @@ class Routes:
             outcomes = self._trusted.get(step, ())
             return sum(outcomes) / len(outcomes) if len(outcomes) >= MIN_OUTCOMES else None
 
-    def worth(self, step: Step) -> bool:
-        """Whether to build the cache of `step` = (strategy, level, budget) rather than climb past it: it pays, or
-        its trial is due (`verdict`)."""
-        return self.verdict(step) != SKIP
-
     def verdict(self, step: Step) -> str:
-        """TRY: build the cache of `step`, it pays (or is not measured enough to say); SKIP: climb past it; TRIAL:
-        it does not pay, but its trial is due (built for the request, or, where the engine can, off its path:
-        repair/guard.py's `Trial`)."""
+        """Whether to build the cache of `step` = (strategy, level, budget) rather than climb past it. TRY: build
+        it, it pays (or is not measured enough to say); SKIP: climb past it; TRIAL: it does not pay, but its trial
+        is due (built for the request, or, where the engine can, off its path: repair/guard.py's `Trial`)."""
         if not self.enabled:
             return TRY
         share, cost = self.trusted_share(step), self.cost(step[0], step[2])

@@ -390,7 +390,7 @@ def test_a_skipped_step_is_tried_less_often_while_it_still_does_not_pay_and_soon
     record.timed("full", FULL, 1.0, 100)
 
     def trials(requests: int) -> list[int]:
-        return [i for i in range(1, requests + 1) if record.worth(step)]
+        return [i for i in range(1, requests + 1) if record.verdict(step) == routes.TRIAL]
 
     every = routes.EXPLORE_EVERY
     assert trials(7 * every) == [every, 3 * every, 7 * every]  # after 8, then 16, then 32 skips
@@ -399,7 +399,7 @@ def test_a_skipped_step_is_tried_less_often_while_it_still_does_not_pay_and_soon
     assert record.trusted_share(step) < 0.5 and trials(3 * every) == [every, 3 * every]
     for _ in range(routes.WINDOW):  # what is asked has changed: its trials hold now, and it pays again
         record.judged(step, True)
-    assert record.worth(step)
+    assert record.verdict(step) == routes.TRY
     for _ in range(routes.WINDOW):  # and changes back: trials start again from EXPLORE_EVERY
         record.judged(step, False)
     assert trials(every) == [every]
