@@ -220,18 +220,20 @@ class Shadow:
         self._wait_idle()
         return self.engine.lock
 
+    def _busy(self) -> bool:
+        """Whether a request holds or waits for the engine's lock (besides this thread), or a stream is decoding."""
+        return bool(self.engine.lock.others or self.engine.batcher.decoders)
+
     def _wait_idle(self) -> None:
-        engine = self.engine
-        while engine.lock.others or engine.batcher.decoders:
+        while self._busy():
             if self._closed:
                 raise _Closed
             time.sleep(IDLE_POLL_S)
 
     def _give_way(self) -> None:
         """Between two layers of a trial's build (adapter.pausing): while a request wants the engine, it has it."""
-        engine = self.engine
-        if engine.lock.others or engine.batcher.decoders:
-            with engine.lock.released():
+        if self._busy():
+            with self.engine.lock.released():
                 self._wait_idle()
 
     def _tops(self, check: Check) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

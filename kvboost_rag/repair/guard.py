@@ -352,9 +352,10 @@ class Watch:
         routes = self.builder.routes
         if routes is None:
             return True
-        verdict = routes.verdict(self.step(budget, step))
+        key = self.step(budget, step)
+        verdict = routes.verdict(key)
         if verdict == TRIAL and self.builder.trials is not None:
-            self.builder.trials.append(Trial(self.step(budget, step), step, budget, self.policy))
+            self.builder.trials.append(Trial(key, step, budget, self.policy))
             return False
         return verdict != SKIP
 
@@ -458,7 +459,7 @@ def start(builder: Builder, guard: Policy | None) -> tuple[Built, Watch | None, 
 def tried(builder: Builder, trial: Trial, answer: Sequence[int]) -> bool:
     """Make `trial`: build its step's cache for the request again (timed, routes.py) and judge it along `answer`
     [T], the tokens the request was served, teacher-forced; record whether it would have served them all (its first
-    token and every later one trusted), and return it. The caller holds the engine's lock.
+    token and every later one trusted), and return it. Its forwards take the engine's lock, as a request's do.
 
     Judged from the answer's first token on, by a guard of the request's policy that borrows nothing (an account
     lends to answers served, not to trials), and for an escalation by its margins alone (a served escalation's top
