@@ -119,6 +119,9 @@ class ModelAdapter:
         self.rotate_half = sys.modules[type(self.layers[0]).__module__].rotate_half
         params = inspect.signature(type(self.layers[0]).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # A batched decode step's rows attend to their own caches where our kernel runs them (kvcache.RowsCache); on
+        # CUDA the padded copy is cheap and one kernel call serves every row.
+        self.rows_in_place = self.attention == arch.GQA_SDPA and self.device.type == "cpu"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -297,7 +300,7 @@ class ModelAdapter:
         hidden: [B, Q, H]; positions: [B] long, on the host (where the caller made them) -> hidden: [B, Q, H]."""
         b, q = hidden.shape[:2]
         starts, counts = positions.tolist(), counts or [q] * b
-        rows = RowsCache(caches, starts, counts)
+        rows = RowsCache(caches, starts, counts, self.rows_in_place)
         k_max = rows.attend_len
         at = torch.tensor([[start + min(j, n - 1) for j in range(q)]
                            for start, n in zip(starts, counts, strict=True)])  # [B, Q]

@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import CausalRows, causal_attention, one_query_per_row
+from .attention import CausalRows, PerRow, causal_attention, one_query_per_row, rows_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
 # RoPE variants whose rotation composes, R(a + b) = R(b) R(a), so stored keys can be moved to a new place.
@@ -139,6 +139,8 @@ def _sdpa_gqa_masked(module, query, key, value, attention_mask, dropout=0.0, sca
     flash kernel's setup costs several times its arithmetic there (attention.one_query_per_row)."""
     if isinstance(attention_mask, CausalRows):
         return causal_attention(query, key, value, attention_mask, scaling), None
+    if isinstance(key, PerRow):  # a batched decode step's rows, each over its own cache (kvcache.RowsCache)
+        return rows_attention(query, key, value, attention_mask, scaling), None
     if (query.shape[2] == 1 and query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu"
             and not dropout and kwargs.get("position_bias") is None
             and (attention_mask is None or attention_mask.is_floating_point())):  # (a boolean one: the model's own)

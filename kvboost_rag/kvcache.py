@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention import PerRow
+
 
 class KVBuffers:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
@@ -75,21 +77,33 @@ class RowsCache:
 
     Row b's first counts[b] tokens are its own, at positions[b] onwards; the rest of its Q only pad it to the
     batch's width (a stream with fewer drafts than another's) and are written nowhere. Each layer's update writes
-    row b's own new K/V into its buffers and hands back all rows' K/V padded to one length, K_max = the furthest
-    row's end, for the attention to mask (adapter.decode_rows). That is a copy of every row's K/V per layer:
-    separate per-request buffers keep the prefill path and the fidelity guard's switch to a fresh exact cache (a
-    stream swapping its KVBuffers mid-answer) untouched; the copy costs less than the step's weight reads (4 streams
-    after ~1.2k tokens each, SmolLM2 in float32: 18 of ~137 ms, docs/method.md).
+    row b's own new K/V into its buffers and hands back what the rows attend to. `in_place` (our sdpa kernel on the
+    CPU, architectures._sdpa_gqa_masked): each row's own buffers up to its end (attention.PerRow), attended row by
+    row. Otherwise (eager attention, CUDA): all rows' K/V padded to one length, K_max = the furthest row's end, for
+    the attention to mask (adapter.decode_rows), a copy of every row's K/V per layer: 18 of a 4-stream step's ~137
+    ms (~1.2k tokens each, SmolLM2 in float32), which the rows in place save. Separate per-request buffers keep the
+    prefill path and the fidelity guard's switch to a fresh exact cache (a stream swapping its KVBuffers
+    mid-answer) untouched.
     """
 
-    def __init__(self, caches: list[KVBuffers], positions: list[int], counts: list[int] | None = None):
-        self.caches, self.positions = caches, positions
+    def __init__(self, caches: list[KVBuffers], positions: list[int], counts: list[int] | None = None,
+                 in_place: bool = False):
+        self.caches, self.positions, self.in_place = caches, positions, in_place
         self.counts = counts or [1] * len(caches)
         self.attend_len = max(p + n for p, n in zip(positions, self.counts, strict=True))  # K_max
         self._padded: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, K_max, D] each, reused by layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key_states, value_states: [B, H_kv, Q, D] -> keys, values: [B, H_kv, K_max, D]."""
+        """key_states, value_states: [B, H_kv, Q, D] -> keys, values: [B, H_kv, K_max, D], or per row (in place)."""
+        if self.in_place:
+            keys, values = [], []
+            for row, (cache, start, n) in enumerate(zip(self.caches, self.positions, self.counts, strict=True)):
+                own_keys, own_values = cache.keys[layer_idx], cache.values[layer_idx]  # [1, H_kv, capacity, D]
+                own_keys[:, :, start:start + n] = key_states[row:row + 1, :, :n]
+                own_values[:, :, start:start + n] = value_states[row:row + 1, :, :n]
+                keys.append(own_keys[:, :, :start + n])
+                values.append(own_values[:, :, :start + n])
+            return PerRow(tuple(keys)), PerRow(tuple(values))
         b, heads, _, d = key_states.shape
         # One pair of padded tensors for every layer of the forward (a layer's attention is done with them before
         # the next layer's update): fresh ones per layer cost 3-6% of a 4-stream step (their fill, page faults).
