@@ -95,15 +95,15 @@ class RowsCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [B, H_kv, Q, D] -> keys, values: [B, H_kv, K_max, D], or per row (in place)."""
+        rows = list(zip(self.caches, self.positions, self.counts, strict=True))
+        own = [(cache.keys[layer_idx][0], cache.values[layer_idx][0]) for cache, _, _ in rows]  # [H_kv, capacity, D]
+        for row, ((_, start, n), (own_keys, own_values)) in enumerate(zip(rows, own, strict=True)):
+            own_keys[:, start:start + n] = key_states[row, :, :n]
+            own_values[:, start:start + n] = value_states[row, :, :n]
         if self.in_place:
-            keys, values = [], []
-            for row, (cache, start, n) in enumerate(zip(self.caches, self.positions, self.counts, strict=True)):
-                own_keys, own_values = cache.keys[layer_idx], cache.values[layer_idx]  # [1, H_kv, capacity, D]
-                own_keys[:, :, start:start + n] = key_states[row:row + 1, :, :n]
-                own_values[:, :, start:start + n] = value_states[row:row + 1, :, :n]
-                keys.append(own_keys[:, :, :start + n])
-                values.append(own_values[:, :, :start + n])
-            return PerRow(tuple(keys)), PerRow(tuple(values))
+            ends = [start + n for _, start, n in rows]
+            return (PerRow(tuple(k[None, :, :end] for (k, _), end in zip(own, ends, strict=True))),
+                    PerRow(tuple(v[None, :, :end] for (_, v), end in zip(own, ends, strict=True))))
         b, heads, _, d = key_states.shape
         # One pair of padded tensors for every layer of the forward (a layer's attention is done with them before
         # the next layer's update): fresh ones per layer cost 3-6% of a 4-stream step (their fill, page faults).
@@ -113,10 +113,7 @@ class RowsCache:
         if self._padded is None or self._padded[0].shape != shape or self._padded[0].dtype != key_states.dtype:
             self._padded = key_states.new_zeros(shape), value_states.new_zeros(shape)
         keys, values = self._padded
-        for row, (cache, start, n) in enumerate(zip(self.caches, self.positions, self.counts, strict=True)):
-            own_keys, own_values = cache.keys[layer_idx][0], cache.values[layer_idx][0]  # [H_kv, capacity, D]
-            own_keys[:, start:start + n] = key_states[row, :, :n]
-            own_values[:, start:start + n] = value_states[row, :, :n]
+        for row, ((_, start, n), (own_keys, own_values)) in enumerate(zip(rows, own, strict=True)):
             keys[row, :, :start + n] = own_keys[:, :start + n]
             values[row, :, :start + n] = own_values[:, :start + n]
         return keys, values
