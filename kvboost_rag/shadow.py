@@ -26,7 +26,8 @@ guard).
 
 Off the critical path: `offer` only queues (a bounded queue: a check offered to a full one is dropped), and one
 background thread runs the checks, layer by layer, each layer only while the engine is idle: no thread holds or
-waits for its lock, no stream decoding. A request that comes meanwhile waits at most one layer of one check.
+waits for its lock, no stream decoding, for QUIET_S since it was last seen busy (a request comes after the one
+before it within that). A request that comes meanwhile waits at most one layer of one check.
 
 The trials of skipped steps (repair/routes.py: a step measured not to pay is still tried now and then) are made here
 too, whatever the request's share: the request climbs past the step, and once it is done its check carries the
@@ -68,6 +69,11 @@ FLOORS = fidelity.FLOOR_NAMES  # fidelity.Predictor.floors' order
 YOUNG_TOKENS = 512  # a curve fitted on fewer tokens is checked more: four corpus calibrations' worth (8 x 16 each)
 MAX_SAMPLES = 4096  # samples kept per budget: the newest, so the curve follows what is asked now
 IDLE_POLL_S = 0.005  # how often a waiting check looks whether the engine is idle
+# How long the engine must have been seen idle before a check takes it: a request's own preparation (rendering,
+# tokenizing, planning: 5-40 ms at 1.2k tokens) or a client's next request after its answer falls within it, and a
+# check that took the engine in that gap delayed the request by one of its layers (`strict`'s float32 prefills, the
+# same as full's, took 2-4% longer than full's in the bench, where they followed the checked `balanced` answers).
+QUIET_S = 0.1
 LINGER_S = 1.0  # the thread ends once the queue has been empty this long (started again by the next offer)
 
 
@@ -97,6 +103,7 @@ class Shadow:
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False  # a check is under way
+        self._busy_seen = 0.0  # time.monotonic() when the engine was last seen busy (or a check was taken up)
         self._closed = False
         # budget (or guard.HALF: the HALF step's own curve) -> (margin, flipped)
         self.samples: dict[float | str, collections.deque[tuple[float, bool]]] = {}
@@ -198,6 +205,7 @@ class Shadow:
                     self._changed.notify_all()
                     return
                 check, self._running = self._queue.popleft(), True
+                self._busy_seen = time.monotonic()  # the request that offered it has just finished
             try:
                 if check.judged:
                     self._learn(check, *self._tops(check))
@@ -225,9 +233,15 @@ class Shadow:
         return bool(self.engine.lock.others or self.engine.batcher.decoders)
 
     def _wait_idle(self) -> None:
-        while self._busy():
+        """Until the engine has been idle for QUIET_S: a check's layers follow each other at once while nothing else
+        wants the engine, and the first after a request waits for the next one's preparation to show."""
+        while True:
             if self._closed:
                 raise _Closed
+            if self._busy():
+                self._busy_seen = time.monotonic()
+            elif time.monotonic() - self._busy_seen >= QUIET_S:
+                return
             time.sleep(IDLE_POLL_S)
 
     def _give_way(self) -> None:

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import statistics
+import threading
 import time
 
 import pytest
@@ -165,6 +166,32 @@ def test_shadow_checks_never_delay_a_response(engine, monkeypatch):
     assert max(total for _, total in on) < CHECK_S * 1e3 / 2  # no response waited for a check
     assert statistics.median(t for t, _ in on) < statistics.median(t for t, _ in off) + CHECK_S * 1e3 / 3
     assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["checks"] == 3  # and they did run
+
+
+def test_a_check_leaves_the_gap_between_a_clients_requests_alone(engine, monkeypatch):
+    """A client's next request follows its answer within its preparation (rendering, tokenizing, planning: tens of
+    ms); a check that took the engine in that gap made the request wait for one of its layers. Checks wait until
+    the engine has been idle for shadow.QUIET_S (widened here, so that a loaded host cannot close the gap)."""
+    monkeypatch.setattr(shadow, "QUIET_S", 0.5, raising=False)
+    forwards = []  # (run by a thread other than the requests', when) for each forward
+    run_layers, plan = engine.adapter.run_layers, engine.plan
+
+    def logged(*args, **kwargs):
+        forwards.append((threading.current_thread() is not threading.main_thread(), time.perf_counter()))
+        return run_layers(*args, **kwargs)
+
+    def prepared_slowly(*args, **kwargs):  # as a long prompt's preparation takes
+        time.sleep(0.03)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(engine.adapter, "run_layers", logged)
+    monkeypatch.setattr(engine, "plan", prepared_slowly)
+    for prompt in prompts(4):  # back to back, each checked
+        engine.generate(prompt, max_new_tokens=4, write_back=False)
+    served = time.perf_counter()
+    assert engine.shadow.drain(timeout=60) and engine.shadow.figures()["checks"] == 4
+    checks = [when for background, when in forwards if background]
+    assert checks and min(checks) > served  # none in the gaps, all after the last answer
 
 
 def test_only_a_share_is_checked_and_a_full_queue_drops(make_tiny_engine):
