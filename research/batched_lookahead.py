@@ -70,16 +70,22 @@ def answer_together(engine, pres, tokens: int, drafts: int) -> tuple[list[tuple[
     return answers, time.perf_counter() - started, engine.batcher.counters["batches"] - before
 
 
+def prefilled_groups(engine, items, streams: int, tokens: int):
+    """The items in groups of `streams`, the first group twice (a warm-up, numbered 0), each prefilled once per stream
+    as shipped (`ingest` calibrated, the default strategy): (the group's number, its prefills)."""
+    groups = [items[i:i + streams] for i in range(0, len(items) - streams + 1, streams)]
+    for g, group in enumerate([groups[0], *groups]):
+        yield g, [engine.prefill(render_prompt(item, "bench"), max_new_tokens=tokens, write_back=False)
+                  for item in group]
+
+
 def main() -> None:
     args, items, engine = setup(__doc__, streams={"type": int, "default": 4})
     costs = forward_costs(engine, items)
     print("ms a forward, B streams x Q tokens:", {k: round(v, 1) for k, v in costs.items()}, flush=True)
     drafts, b = EngineConfig.lookahead, args.streams
-    groups = [items[i:i + b] for i in range(0, len(items) - b + 1, b)]
     rows = []
-    for g, group in enumerate([groups[0], *groups]):  # the first, twice: a warm-up
-        pres = [engine.prefill(render_prompt(item, "bench"), max_new_tokens=args.tokens, write_back=False)
-                for item in group]
+    for g, pres in prefilled_groups(engine, items, b, args.tokens):
         runs = {k: answer_together(engine, pres, args.tokens, k) for k in ((0, drafts) if g % 2 else (drafts, 0))}
         row = {"tokens": sum(len(a) for a in runs[0][0]),
                "same": [a == d for a, d in zip(runs[0][0], runs[drafts][0], strict=True)],

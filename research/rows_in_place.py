@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from batched_lookahead import answer_together  # this folder: Python puts a script's folder on sys.path
+from batched_lookahead import answer_together, prefilled_groups  # this folder (a script's folder is on sys.path)
 from lookahead_speed import setup
 
 from kvboost_rag import batching
@@ -62,11 +62,8 @@ def main() -> None:
     print("ms a forward, B streams x Q tokens:", {k: round(v, 1) for k, v in costs.items()}, "largest logit gap",
           gap, flush=True)
     b, drafts = args.streams, EngineConfig.lookahead
-    groups = [items[i:i + b] for i in range(0, len(items) - b + 1, b)]
     rows = []
-    for g, group in enumerate([groups[0], *groups]):  # the first, twice: a warm-up
-        pres = [engine.prefill(render_prompt(item, "bench"), max_new_tokens=args.tokens, write_back=False)
-                for item in group]
+    for g, pres in prefilled_groups(engine, items, b, args.tokens):
         runs = {}
         for way in WAYS if g % 2 else WAYS[::-1]:
             engine.adapter.rows_in_place = way
