@@ -100,6 +100,8 @@ class ModelAdapter:
         self.model.eval()
         # bf16 on the CPU: every linear weight packed once for oneDNN, not on every call (packing.py).
         self.packed_linears = packing.pack_linears(self.model)
+        # float32 on the CPU: a transposed copy for inputs of a few rows, where MKL's path is cheaper (packing.py).
+        self.column_linears = packing.column_linears(self.model)
         self.config = config
         self.inner = self.model.model
         self.layers = list(self.inner.layers)

@@ -102,9 +102,14 @@ def in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     frequencies stay float32. A plain `.to(dtype)` rounds them too, and at position ~1k the rounded angles move
     the keys far enough that a bf16 copy agreed with float32 on 7 of 10 answers where one loaded in bf16 agreed
     on 10 (fidelity_holdout, 16 tokens). A bf16 model's packed weights (packing.py) are shared, not copied: deepcopy
-    cannot copy them, and a copy in another dtype computes with its own weights (PackedLinear.forward)."""
+    cannot copy them, and a copy in another dtype computes with its own weights (PackedLinear.forward); a float32
+    model's transposed copies (ColumnsLinear) are neither copied nor kept."""
     shared = {id(tensor): tensor for tensor in packing.packed_tensors(model)}
     copied = copy.deepcopy(model, shared).to(dtype)
+    for module in copied.modules():
+        if isinstance(module, packing.ColumnsLinear):  # its copy is float32's: a plain linear, which the copy's
+            module.__class__ = torch.nn.Linear        # adapter lays out for its own dtype
+            del module.columns
     for name, module in model.named_modules():
         if "rotary" in type(module).__name__.lower():
             for buffer, value in module.named_buffers(recurse=False):

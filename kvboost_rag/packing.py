@@ -1,4 +1,4 @@
-"""Linear weights packed once for the CPU's bf16 kernel, instead of on every call.
+"""Linear weights laid out once for the CPU's kernels: packed for bf16, transposed for float32 at a few rows.
 
 On the CPU, `F.linear` in bf16 hands each weight to oneDNN, which first copies it into the blocked layout its
 kernel reads, on every call: the weights cross memory three times instead of once. A full prefill (a thousand rows
@@ -12,13 +12,22 @@ their weights side by side (`Siblings`, note 1g there): 4 calls per layer instea
 torch's own ops for this (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`) are what its compiler
 emits for frozen CPU models; we call them directly rather than compile the model (minutes on two cores, and a
 recompile per new shape). They are not public API, so a probe checks them on each model before any layer is
-swapped, and anything unexpected leaves the model as it was. fp32 is left alone: MKL's packed sgemm serves only
-the row count it was packed for, and the repair's row counts change at every layer.
+swapped, and anything unexpected leaves the model as it was. MKL's packed sgemm serves only the
+row count it was packed for, and the repair's row counts change at every layer, so float32 is not packed. It is
+transposed instead (`ColumnsLinear`): `F.linear` multiplies by the weight as stored, [out, in], read transposed, and
+MKL's sgemm takes another path for that from four rows on, which costs 2-9x more up to ~32 rows (bundled model,
+Intel Xeon: a 576 x 576 projection 38 us at 3 rows, 346 us at 4, 41 us from the weight stored [in, out]). A batch of
+concurrent decode steps, a step with drafts, a question's few dozen tokens in a repair all have such row counts. A
+second copy of each weight, [in, out], serves four rows and more; fewer keep the plain one, which is the faster there
+(docs/method.md, "Float32 weights stored twice").
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +42,11 @@ MAX_PACKED_BYTES = 4 << 30
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # Siblings also called alone, on an input of their own (adapter.project_kv): they keep their own packed weight.
 CALLED_ALONE = ("k_proj", "v_proj")
+
+
+# ColumnsLinear's transposed copy serves inputs of this many rows and more: below it MKL's path for the weight as
+# stored is the faster one (3 rows: 60.5 ms a forward of the bundled model against 72.2 transposed).
+COLUMN_ROWS = 4
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -126,14 +140,78 @@ class Siblings:
         return True
 
 
+class ColumnsLinear(torch.nn.Linear):
+    """A float32 nn.Linear that also keeps its weight transposed, [in, out]: inputs of COLUMN_ROWS rows and more are
+    multiplied by that copy, fewer by the weight as stored. The same numbers up to float32 rounding (another kernel's
+    order of sums), and each row count always takes the same path."""
+
+    columns: torch.Tensor  # [in_features, out_features], contiguous; not a Parameter: never saved, never moved
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features]."""
+        columns = self.columns
+        if (x.numel() >= COLUMN_ROWS * self.in_features and columns.dtype == self.weight.dtype
+                and columns.device == self.weight.device):  # else moved or cast since: the weight went with it
+            return F.linear(x, columns.t(), self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 def packed_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The packed weights of `model`'s PackedLinears and their Siblings: oneDNN's opaque tensors, which
-    `copy.deepcopy` cannot copy (models.in_dtype shares them instead)."""
+    """The packed weights of `model`'s PackedLinears and their Siblings (oneDNN's opaque tensors, which
+    `copy.deepcopy` cannot copy) and its ColumnsLinears' transposed copies (which a copy in another dtype would not
+    use): models.in_dtype shares them instead."""
     found = []
     for module in model.modules():
         if isinstance(module, PackedLinear):
             found += [t for t in (module.packed, module.siblings and module.siblings.packed) if t is not None]
+        elif isinstance(module, ColumnsLinear):
+            found.append(module.columns)
     return found
+
+
+@functools.cache
+def columns_pay(device: torch.device) -> bool:
+    """Whether float32 linears on `device` are faster from a transposed copy at a few rows: the CPU only, where a
+    probe finds it (MKL's paths are measured, not assumed: another CPU or BLAS may have none of this). The probe:
+    an MLP-sized linear over 8 rows both ways, alternating, medians of 9; the copy must take under 0.8 of the time
+    (0.55-0.6 on the Intel Xeon this was found on), so that a noisy machine does not decide it one run and not the
+    next."""
+    if device.type != "cpu":
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=generator)
+    columns, x = weight.t().contiguous(), torch.randn(8, 576, generator=generator)
+    if not torch.allclose(F.linear(x, weight), F.linear(x, columns.t()), rtol=1e-4, atol=1e-4):
+        return False
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(9):
+        for side, w in enumerate((weight, columns.t())):
+            started = time.perf_counter()
+            for _ in range(5):
+                F.linear(x, w)
+            times[side].append(time.perf_counter() - started)
+    return statistics.median(times[1]) < 0.8 * statistics.median(times[0])
+
+
+def column_linears(model: torch.nn.Module) -> int:
+    """Give every float32 nn.Linear of `model` on a CPU where `columns_pay` a transposed copy of its weight
+    (ColumnsLinear); returns how many (0: the model is left as it was). One copy per weight, however many modules
+    share it (a tied LM head); none past MAX_PACKED_BYTES of weights."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if not linears:
+        return 0
+    weight = linears[0].weight
+    unique = {id(m.weight): m.weight for m in linears}
+    size = sum(w.numel() * w.element_size() for w in unique.values())
+    mixed = any(w.dtype != torch.float32 or w.device != weight.device for w in unique.values())
+    if mixed or size > MAX_PACKED_BYTES or not columns_pay(weight.device):  # the probe last: it computes
+        return 0
+    with torch.no_grad():
+        copies = {key: w.detach().t().contiguous() for key, w in unique.items()}
+        for module in linears:
+            module.__class__ = ColumnsLinear  # the same module and weights, a forward that picks the layout
+            module.columns = copies[id(module.weight)]
+    return len(linears)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

@@ -27,62 +27,60 @@ from kvboost_rag import batching
 from kvboost_rag.bench.run import render_prompt
 from kvboost_rag.config import EngineConfig
 
-WAYS = (True, False)  # in place, padded
 
-
-def forward_costs(engine, items, repeats: int = 7) -> tuple[dict[str, float], float]:
-    """Median ms of one batched decode forward, each way, over B streams x Q tokens; the largest logit gap."""
+def forward_costs(engine, items, switch, labels: dict, sizes, repeats: int = 7) -> tuple[dict[str, float], float]:
+    """Median ms of one batched decode forward over B streams x Q tokens (`sizes`), each way (`switch(way)` sets
+    one; `labels`: way -> its name), alternating; the largest gap between the two ways' logits."""
     pres = [engine.prefill(render_prompt(item, "bench"), "full", max_new_tokens=8, write_back=False)
-            for item in items[:4]]
-    sizes = [(b, q) for b in (2, 4) for q in (1, 3)]
-    ms = {(size, way): [] for size in sizes for way in WAYS}
+            for item in items[:max(b for b, _ in sizes)]]
+    ways = list(labels)
+    ms = {(size, way): [] for size in sizes for way in ways}
     gap = 0.0
-    adapter = engine.adapter
     with engine.lock, torch.inference_mode():
         for r in range(repeats + 1):  # the first round warms up
             for b, q in sizes:
                 chosen = pres[:b]
                 logits = {}
-                for way in WAYS if r % 2 else WAYS[::-1]:
-                    adapter.rows_in_place = way
+                for way in ways if r % 2 else ways[::-1]:
+                    switch(way)
                     started = time.perf_counter()
-                    logits[way] = batching.decode(adapter, [p.cache for p in chosen], [7] * b,
+                    logits[way] = batching.decode(engine.adapter, [p.cache for p in chosen], [7] * b,
                                                   [p.prompt_tokens for p in chosen], [[7] * (q - 1)] * b)
                     if r:
                         ms[((b, q), way)].append((time.perf_counter() - started) * 1e3)
                 gap = max(gap, max((x - y).abs().max().item() for x, y in zip(*logits.values(), strict=True)))
-    adapter.rows_in_place = True
-    return {f"{b} x {q} {'in place' if way else 'padded'}": statistics.median(t)
-            for ((b, q), way), t in ms.items()}, gap
+    switch(ways[0])
+    return {f"{b} x {q} {labels[way]}": statistics.median(t) for ((b, q), way), t in ms.items()}, gap
 
 
-def main() -> None:
-    args, items, engine = setup(__doc__, streams={"type": int, "default": 4})
-    costs, gap = forward_costs(engine, items)
+def compare(args, items, engine, switch, labels: dict, sizes) -> dict:
+    """Both parts of the comparison (the module's docstring), the first of `labels`' ways the new one: printed, and
+    written to args.json; the summary."""
+    costs, gap = forward_costs(engine, items, switch, labels, sizes)
     print("ms a forward, B streams x Q tokens:", {k: round(v, 1) for k, v in costs.items()}, "largest logit gap",
           gap, flush=True)
+    new, old = labels
     b, drafts = args.streams, EngineConfig.lookahead
     rows = []
     for g, pres in prefilled_groups(engine, items, b, args.tokens):
         runs = {}
-        for way in WAYS if g % 2 else WAYS[::-1]:
-            engine.adapter.rows_in_place = way
+        for way in (new, old) if g % 2 else (old, new):
+            switch(way)
             runs[way] = answer_together(engine, pres, args.tokens, drafts)
-        engine.adapter.rows_in_place = True
-        row = {"tokens": sum(len(a) for a in runs[True][0]),
-               "same": [x == y for x, y in zip(runs[True][0], runs[False][0], strict=True)],
-               "wall_s_in_place": runs[True][1], "wall_s_padded": runs[False][1]}
+        switch(new)
+        row = {"tokens": sum(len(a) for a in runs[new][0]),
+               "same": [x == y for x, y in zip(runs[new][0], runs[old][0], strict=True)],
+               f"wall_s_{labels[new]}": runs[new][1], f"wall_s_{labels[old]}": runs[old][1]}
         if g:
             rows.append(row)
-            print(g, row["tokens"], row["same"], round(row["wall_s_padded"], 2), round(row["wall_s_in_place"], 2),
-                  flush=True)
+            print(g, row["tokens"], row["same"], round(runs[old][1], 2), round(runs[new][1], 2), flush=True)
     tokens = sum(r["tokens"] for r in rows)
+    walls = {way: [r[f"wall_s_{labels[way]}"] for r in rows] for way in labels}
     summary = {
         "streams": b,
-        "speed-up, summed": sum(r["wall_s_padded"] for r in rows) / sum(r["wall_s_in_place"] for r in rows),
-        "speed-up, median": statistics.median(r["wall_s_padded"] / r["wall_s_in_place"] for r in rows),
-        "tokens a second, padded": tokens / sum(r["wall_s_padded"] for r in rows),
-        "tokens a second, in place": tokens / sum(r["wall_s_in_place"] for r in rows),
+        "speed-up, summed": sum(walls[old]) / sum(walls[new]),
+        "speed-up, median": statistics.median(o / n for o, n in zip(walls[old], walls[new], strict=True)),
+        **{f"tokens a second, {labels[way]}": tokens / sum(walls[way]) for way in (old, new)},
         "same answers": sum(sum(r["same"]) for r in rows) / sum(len(r["same"]) for r in rows),
         "largest logit gap, forwards": gap,
     }
@@ -90,6 +88,16 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ms_a_forward": costs, "summary": summary, "groups": rows}, f, indent=1)
+    return summary
+
+
+def main() -> None:
+    args, items, engine = setup(__doc__, streams={"type": int, "default": 4})
+
+    def switch(way: bool) -> None:
+        engine.adapter.rows_in_place = way
+
+    compare(args, items, engine, switch, {True: "in place", False: "padded"}, [(b, q) for b in (2, 4) for q in (1, 3)])
 
 
 if __name__ == "__main__":
