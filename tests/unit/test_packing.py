@@ -1,4 +1,5 @@
-"""Linear weights packed once for oneDNN (packing.py): the same numbers bit for bit, nothing else changed."""
+"""Linear weights laid out once for the CPU's kernels (packing.py): packed for oneDNN in bf16, the same numbers bit
+for bit; transposed beside the weight as stored in float32, for inputs of a few rows; nothing else changed."""
 
 from __future__ import annotations
 
@@ -6,11 +7,19 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvboost_rag import EngineConfig, KVBoost, RepairConfig
+from kvboost_rag import EngineConfig, KVBoost, RepairConfig, batching, packing
 from kvboost_rag.adapter import ModelAdapter
 from kvboost_rag.calibrate import MIN_DOCUMENTS, _other_dtype
 from kvboost_rag.models import LoadedModel, WidenedLinear, bf16_copy, in_dtype
-from kvboost_rag.packing import PackedLinear, Siblings, can_pack, pack_linears
+from kvboost_rag.packing import (
+    COLUMN_ROWS,
+    ColumnsLinear,
+    PackedLinear,
+    Siblings,
+    can_pack,
+    column_linears,
+    pack_linears,
+)
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="this CPU's oneDNN has no bf16 kernels to pack for")
@@ -27,6 +36,12 @@ def _tiny(dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
 def _linears(model) -> dict[str, type]:
     return {name: type(module) for name, module in model.named_modules()
             if isinstance(module, (torch.nn.Linear, PackedLinear))}
+
+
+@pytest.fixture
+def columns_pay(monkeypatch):
+    """Transposed copies made whatever this machine's probe finds (packing.columns_pay times MKL's paths)."""
+    monkeypatch.setattr(packing, "columns_pay", lambda device: True)
 
 
 def test_a_cpu_that_emulates_bf16_packs_nothing(monkeypatch):
@@ -203,3 +218,76 @@ def test_a_bf16_engine_calibrates_by_ingestion(bundled_tokenizer):
                    for i in range(MIN_DOCUMENTS)])
     assert engine.counters["calibrations"] == 1 and engine.predictor.at(0.07).floors is not None
     engine.close()
+
+
+def test_float32_linears_take_their_transposed_copy_from_four_rows_on(columns_pay):
+    """Float32 on the CPU (packing.ColumnsLinear): below COLUMN_ROWS rows the weight as stored, bit for bit what
+    nn.Linear gives; from COLUMN_ROWS on the transposed copy, the same numbers up to float32 rounding. One copy per
+    weight (a tied head shares its embedding's), the state dict and the tie untouched."""
+    model, plain = _tiny(torch.float32), _tiny(torch.float32)
+    for m in (model, plain):
+        m.lm_head.weight = m.model.embed_tokens.weight  # as SmolLM2 ties them
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    assert column_linears(model) == 7 * model.config.num_hidden_layers + 1
+    assert set(_linears(model).values()) == {ColumnsLinear}
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    down = model.model.layers[0].mlp.down_proj
+    assert down.columns.shape == (128, 64) and down.columns.is_contiguous()
+    assert torch.equal(down.columns, down.weight.t())
+    ids = torch.randint(0, model.config.vocab_size, (1, 37))
+    with torch.inference_mode():
+        for rows in range(1, COLUMN_ROWS):  # a decode step, a step with drafts
+            assert torch.equal(model(ids[:, :rows]).logits, plain(ids[:, :rows]).logits)
+        for rows in (COLUMN_ROWS, 9, 37):  # drafts, a batch of streams, a prefill
+            assert torch.allclose(model(ids[:, :rows]).logits, plain(ids[:, :rows]).logits, atol=1e-5, rtol=1e-5)
+        # The copy is what serves COLUMN_ROWS rows and more, and nothing fewer: spoiled, it shows there only.
+        down.columns.zero_()
+        few, many = torch.randn(1, COLUMN_ROWS - 1, 128), torch.randn(1, COLUMN_ROWS, 128)
+        assert torch.equal(down(few), torch.nn.functional.linear(few, down.weight))
+        assert not down(many).any()
+
+
+def test_a_batched_step_through_the_copies_is_each_streams_lone_step(columns_pay, bundled_tokenizer, docs,
+                                                                       rag_prompt):
+    """Three streams x 2 tokens (6 rows: the copies) against each stream's lone steps of 1 token (the weights as
+    stored): the same logits within float32 rounding, on an engine that laid its model out by itself."""
+    loaded = LoadedModel(_tiny(torch.float32), bundled_tokenizer, "tiny-random-llama", "seed0")
+    engine = KVBoost(loaded, EngineConfig(calibrate=False, repair=RepairConfig(fidelity="fast")))
+    assert engine.adapter.column_linears == 7 * 3 + 1
+    prompts = [rag_prompt(docs[i:i + 2], "Who founded it?") for i in range(3)]
+    pres = [engine.prefill(p, "full", max_new_tokens=4, write_back=False) for p in prompts]
+    with torch.inference_mode():
+        together = batching.decode(engine.adapter, [p.cache for p in pres], [7] * 3, [p.prompt_tokens for p in pres],
+                                   [[11]] * 3)
+        for pre, rows in zip(pres, together, strict=True):
+            first = batching.decode(engine.adapter, [pre.cache], [7], [pre.prompt_tokens])[0]
+            second = batching.decode(engine.adapter, [pre.cache], [11], [pre.prompt_tokens + 1])[0]
+            assert torch.allclose(rows, torch.cat([first, second]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_copies_in_another_dtype_leave_the_transposed_copies_behind(columns_pay, monkeypatch, native):
+    """The dtype floor's bf16 copy and any in_dtype copy of a laid-out float32 model: plain linears (widened where
+    bf16 is emulated), no transposed copy copied; the model itself keeps its own."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_f": True, "avx512_bf16": native})
+    model = _tiny(torch.float32)
+    column_linears(model)
+    for copied in (bf16_copy(model), in_dtype(model, torch.bfloat16)):
+        assert not any(hasattr(module, "columns") for module in copied.modules())
+    assert set(_linears(bf16_copy(model)).values()) == ({torch.nn.Linear} if native else {WidenedLinear})
+    assert set(_linears(model).values()) == {ColumnsLinear}
+
+
+def test_where_transposed_copies_are_not_made(monkeypatch):
+    """Not for bf16 weights, not past MAX_PACKED_BYTES, not where the probe finds no gain, not off the CPU."""
+    monkeypatch.setattr(packing, "columns_pay", lambda device: True)
+    assert column_linears(_tiny(torch.bfloat16)) == 0
+    monkeypatch.setattr(packing, "MAX_PACKED_BYTES", 1024)
+    assert column_linears(_tiny(torch.float32)) == 0
+    monkeypatch.undo()
+    assert not packing.columns_pay(torch.device("meta"))  # off the CPU: not MKL's kernels, nothing measured
+    monkeypatch.setattr(packing, "columns_pay", lambda device: False)
+    model = _tiny(torch.float32)
+    assert column_linears(model) == 0 and set(_linears(model).values()) == {torch.nn.Linear}
