@@ -90,6 +90,7 @@ def busy_clock() -> float:
 @dataclass
 class ModelAdapter:
     model: torch.nn.Module
+    transposed_weights: bool = True  # EngineConfig.transposed_weights: float32 linears laid out twice (packing.py)
 
     def __post_init__(self):
         arch.check_supported(self.model)
@@ -101,7 +102,7 @@ class ModelAdapter:
         # bf16 on the CPU: every linear weight packed once for oneDNN, not on every call (packing.py).
         self.packed_linears = packing.pack_linears(self.model)
         # float32 on the CPU: a transposed copy for inputs of a few rows, where MKL's path is cheaper (packing.py).
-        self.column_linears = packing.column_linears(self.model)
+        self.column_linears = packing.column_linears(self.model) if self.transposed_weights else 0
         self.config = config
         self.inner = self.model.model
         self.layers = list(self.inner.layers)

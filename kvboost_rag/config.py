@@ -273,6 +273,10 @@ class EngineConfig:
                              "text's last tokens occurred before in the prompt or answer (lookahead.py: greedy "
                              "decoding's answer in fewer forwards; in bf16 a forward over several tokens rounds "
                              "unlike one over one); 0 = one token per forward")
+    transposed_weights: bool = knob(True, "float32 on the CPU: keep each linear weight a second time, transposed, for "
+                                          "inputs of 4 rows and more (batched or drafted decode steps), where a probe "
+                                          "at load finds MKL's path for the weight as stored slower (packing.py): "
+                                          "twice the weights' memory; False: once")
     # Online calibration (shadow.py): served answers checked against a full prefill once the engine is idle, off
     # every request's path, refitting the fidelity guard on what users ask.
     shadow_share: float = knob(0.05, "share of the guarded requests whose answer is checked against a full prefill "

@@ -144,7 +144,7 @@ class KVBoost:
                  store: KVStore | None = None):
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
-        self.adapter = ModelAdapter(models.to_device(loaded.model, config.device))
+        self.adapter = ModelAdapter(models.to_device(loaded.model, config.device), config.transposed_weights)
         check_for_model(config.repair, self.adapter.num_layers)
         self.model_id = loaded.model_id
         self._bos_ids = bos_ids(self.tokenizer)

@@ -1,10 +1,11 @@
 """Prompt lookup (kvboost_rag/lookahead.py) on the bundled model: whole answers with and without draft tokens.
 
 For each item the product as shipped (`ingest` calibrates) prefills the prompt once per strategy, then decodes
-the answer from that prefill with EngineConfig.lookahead = 0 (one token per forward) and = the default, in turns
-(the order swapped from item to item), after a warm-up item. Reported: the decode's median and summed speed-up,
-the whole answer's (prefill + decode) against full's without drafts, how many forwards a token took, and whether
-the answers are the same token for token. Shadow checks are off here (they would run between the timed decodes).
+the answer from that prefill with EngineConfig.lookahead = 0 (one token per forward; `--against N`: N drafts) and
+= the default (`--drafts K`: K), in turns (the order swapped from item to item), after a warm-up item. Reported:
+the decode's median and summed speed-up, the whole answer's (prefill + decode) against full's without drafts
+(with `--against`, with N), how many forwards a token took, and whether the answers are the same token for token.
+Shadow checks are off here (they would run between the timed decodes).
 
     .venv/bin/python research/lookahead_speed.py research/data/fidelity_holdout.jsonl --limit 24 --tokens 64 \
         --json out/lookahead.json
@@ -55,20 +56,21 @@ def setup(description: str, **more: dict) -> tuple[argparse.Namespace, list, KVB
 
 
 def main() -> None:
-    args, items, engine = setup(__doc__)
-    drafts = EngineConfig.lookahead
+    args, items, engine = setup(__doc__, drafts={"type": int, "default": EngineConfig.lookahead},
+                                against={"type": int, "default": 0, "help": "the draft count compared with"})
+    drafts, base = args.drafts, args.against
     rows = []
     for i, item in enumerate([items[0], *items]):  # the first, twice: a warm-up
         row = {}
         for strategy in STRATEGIES:
             pre = engine.prefill(render_prompt(item, "bench"), strategy, max_new_tokens=args.tokens, write_back=False)
             runs = {}
-            for k in (0, drafts) if i % 2 else (drafts, 0):
+            for k in (base, drafts) if i % 2 else (drafts, base):
                 runs[k] = decoded(engine, pre, args.tokens, k)
-            row[strategy] = {"ttft_s": pre.ttft_ms / 1e3, "tokens": len(runs[0][0]),
-                             "same": runs[0][0] == runs[drafts][0],
-                             "decode_s": runs[0][1], "decode_s_drafts": runs[drafts][1],
-                             "forwards": runs[0][2], "forwards_drafts": runs[drafts][2]}
+            row[strategy] = {"ttft_s": pre.ttft_ms / 1e3, "tokens": len(runs[base][0]),
+                             "same": runs[base][0] == runs[drafts][0],
+                             "decode_s": runs[base][1], "decode_s_drafts": runs[drafts][1],
+                             "forwards": runs[base][2], "forwards_drafts": runs[drafts][2]}
         if i:
             rows.append(row)
             print(i, {s: (r["tokens"], r["same"], round(r["decode_s"], 2), round(r["decode_s_drafts"], 2))
@@ -89,7 +91,8 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "drafts": drafts, "summary": summary, "items": rows}, f, indent=1)
+            json.dump({"args": vars(args), "drafts": drafts, "against": base, "summary": summary, "items": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, repair: bool = True) 
     g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     add_config_option(g, EngineConfig, "device")
+    add_config_option(g, EngineConfig, "transposed_weights", action=argparse.BooleanOptionalAction)
     g.add_argument("--store", default=None, help="persistent KV store: a folder (disk tier) or a Redis URL, "
                    "redis://host:6379/0 (a tier shared by processes and machines)")
     g.add_argument("--memory-budget", type=int, default=None, help="bytes the in-memory tier may hold")
@@ -133,6 +134,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             calibration_layout=getattr(args, "calibration_layout", EngineConfig.calibration_layout),
             floor_credit=getattr(args, "floor_credit", EngineConfig.floor_credit),
             lookahead=getattr(args, "lookahead", EngineConfig.lookahead),
+            transposed_weights=args.transposed_weights,
         )
         resolve_device(config.device)  # "cuda" on a machine without one is refused here, before anything is read
         return config

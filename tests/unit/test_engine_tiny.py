@@ -215,3 +215,7 @@ def test_cli_repair_options_reach_the_engine_config():
     assert not {a.dest for a in parser._subparsers._group_actions[0].choices["ingest"]._actions} & set(
         f.name for f in dataclasses.fields(RepairConfig))
     assert engine_config(parser.parse_args(["ask", "q?", "--docs", "a.txt"])).repair == RepairConfig()
+    # An engine option of every command (packing.py's transposed copies), on by default.
+    for command in (["ask", "q?", "--docs", "a.txt"], ["ingest", "a.txt"]):
+        assert engine_config(parser.parse_args(command)).transposed_weights
+        assert not engine_config(parser.parse_args([*command, "--no-transposed-weights"])).transposed_weights

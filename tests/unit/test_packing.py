@@ -281,11 +281,15 @@ def test_copies_in_another_dtype_leave_the_transposed_copies_behind(columns_pay,
 
 
 def test_where_transposed_copies_are_not_made(monkeypatch):
-    """Not for bf16 weights, not past MAX_PACKED_BYTES, not where the probe finds no gain, not off the CPU."""
+    """Not for bf16 weights, not past MAX_PACKED_BYTES, not when the engine's config says no, not off the CPU, not
+    where the probe finds no gain."""
     monkeypatch.setattr(packing, "columns_pay", lambda device: True)
     assert column_linears(_tiny(torch.bfloat16)) == 0
     monkeypatch.setattr(packing, "MAX_PACKED_BYTES", 1024)
     assert column_linears(_tiny(torch.float32)) == 0
+    model = _tiny(torch.float32)
+    assert ModelAdapter(model, transposed_weights=False).column_linears == 0  # EngineConfig.transposed_weights
+    assert set(_linears(model).values()) == {torch.nn.Linear}
     monkeypatch.undo()
     assert not packing.columns_pay(torch.device("meta"))  # off the CPU: not MKL's kernels, nothing measured
     monkeypatch.setattr(packing, "columns_pay", lambda device: False)
