@@ -16,10 +16,10 @@ swapped, and anything unexpected leaves the model as it was. MKL's packed sgemm 
 row count it was packed for, and the repair's row counts change at every layer, so float32 is not packed. It is
 transposed instead (`ColumnsLinear`): `F.linear` multiplies by the weight as stored, [out, in], read transposed, and
 MKL's sgemm takes another path for that from four rows on, which costs 2-9x more up to ~32 rows (bundled model,
-Intel Xeon: a 576 x 576 projection 38 us at 3 rows, 346 us at 4, 41 us from the weight stored [in, out]). A batch of
-concurrent decode steps, a step with drafts, a question's few dozen tokens in a repair all have such row counts. A
-second copy of each weight, [in, out], serves four rows and more; fewer keep the plain one, which is the faster there
-(docs/method.md, "Float32 weights stored twice").
+Intel Xeon: a 576 x 576 projection 38 us at 3 rows, 346 us at 4, 41 us from the weight stored [in, out]): the row
+counts of a batch of concurrent decode steps, or of a step with drafts. A second copy of each weight, [in, out],
+serves four rows and more; fewer keep the plain one, which is the faster there (docs/method.md, "Float32 weights
+stored twice"). From ~64 rows (prefills, repairs) the two paths cost the same and give the same numbers.
 """
 
 from __future__ import annotations
