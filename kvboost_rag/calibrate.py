@@ -305,7 +305,8 @@ def _floor_flips(engine, drawn: Sequence[CalibrationPrompt], prompt_ids: Sequenc
     # The bf16 model the ladder's HALF step serves from (repair/guard.py), where the engine has one (float32, bf16
     # native, bf16_step on).
     half = engine.half_adapter()
-    other = half if half is not None else ModelAdapter(_other_dtype(engine.adapter.model))
+    # The floor's copy runs whole teacher-forced prefills only, past the rows transposed copies serve (packing.py).
+    other = half if half is not None else ModelAdapter(_other_dtype(engine.adapter.model), transposed_weights=False)
     order, dtype, half_margins, half_flips = [], [], [], []
     for item, ids, answer in zip(drawn, prompt_ids, answers, strict=True):
         if answer:
