@@ -285,11 +285,12 @@ def test_where_transposed_copies_are_not_made(monkeypatch):
     where the probe finds no gain."""
     monkeypatch.setattr(packing, "columns_pay", lambda device: True)
     assert column_linears(_tiny(torch.bfloat16)) == 0
-    monkeypatch.setattr(packing, "MAX_PACKED_BYTES", 1024)
-    assert column_linears(_tiny(torch.float32)) == 0
-    model = _tiny(torch.float32)
+    model = _tiny(torch.float32)  # one that would get them (the probe forced, under the cap): the config declines
     assert ModelAdapter(model, transposed_weights=False).column_linears == 0  # EngineConfig.transposed_weights
     assert set(_linears(model).values()) == {torch.nn.Linear}
+    assert ModelAdapter(_tiny(torch.float32)).column_linears > 0
+    monkeypatch.setattr(packing, "MAX_PACKED_BYTES", 1024)
+    assert column_linears(_tiny(torch.float32)) == 0
     monkeypatch.undo()
     assert not packing.columns_pay(torch.device("meta"))  # off the CPU: not MKL's kernels, nothing measured
     monkeypatch.setattr(packing, "columns_pay", lambda device: False)
