@@ -16,6 +16,7 @@ from llama_index.llms.kvboost.base import _to_chat_message
 
 from kvboost_rag import RepairConfig
 from kvboost_rag.bench.data import bundled, load_items
+from kvboost_rag.repair.guard import ESCALATE, FULL, HALF, REPAIR
 
 from .conftest import Shuffle
 
@@ -70,12 +71,21 @@ def test_shuffled_query_reuses_kv_and_matches_full(engine, index, items, chat_lo
         assert answers["full"][1]["reused_tokens"] == 0
         _, figures, doc_tokens = answers["default"]
         assert figures["strategy"] == "cacheblend"
-        if figures["fell_back"]:  # the fidelity guard did not trust the first token: a full prefill, full's answer
-            assert figures["reused_tokens"] == 0 and answers["default"][0] == answers["full"][0]
-            assert figures["recompute_budget"] == 1.0
+        # The step that served the first token decides what the prefill reused; which step that is depends on the
+        # guard's curves, which shadow checks refit in the background, so each is checked for what it is. Later
+        # steps (an answer moved part-way, to a larger repair or a full prefill) say nothing of the prefill.
+        first = figures["served"][0]
+        if first["step"] == FULL:  # the guard did not trust the first token: a full prefill, full's answer
+            assert figures["fell_back"] and figures["reused_tokens"] == 0
+            assert answers["default"][0] == answers["full"][0]
+        elif first["step"] == HALF:  # the same in bf16, where it runs natively: within the dtype floor, not equal
+            assert figures["fell_back"] and figures["reused_tokens"] == 0
         else:
+            assert not figures["fell_back"]
             assert figures["reused_tokens"] - figures["exact_tokens"] >= 0.5 * doc_tokens  # out-of-order reuse
-            assert figures["recompute_budget"] == RepairConfig().budget
+            assert (first["step"], first["budget"]) == (REPAIR, RepairConfig().budget) or (
+                first["step"] == ESCALATE and first["budget"] > RepairConfig().budget)
+        assert figures["recompute_budget"] == first["budget"]
         assert answers["exact"][1]["reused_tokens"] > 0
         assert answers["exact"][0] == answers["full"][0]
         agree += answers["default"][0] == answers["full"][0]
