@@ -283,14 +283,24 @@ def _seed_routes(engine, predictor: fidelity.Predictor, ladders: dict[str, tuple
     """Give the engine's ladder routes (repair/routes.py) what calibration has seen, so that its first requests do
     not pay to learn it: per level that acts and each budget its ladder repairs at, whether the guard would have
     served each calibration answer to its end from that budget's cache (its margins, teacher-forced on full's
-    answer, judged as a request of that level from its first token). The repairs' and the full prefills' times
-    were recorded as they ran."""
+    answer, judged as a request of that level from its first token). A level held on average is judged as it is
+    served: the answers in turn, each borrowing from an account that starts empty and that the answers before
+    lent to (an answer left part-way counts the floor's risk over the rest at the same margins, as an exact
+    cache's tokens count). The repairs' and the full prefills' times were recorded as they ran."""
     for level in ("balanced", "strict"):
         for budget in ladders[level]:
             curve, start = predictor.at(budget), 0
+            held_on_average = engine.accounts.get(level)
+            account = fidelity.Account(held_on_average.cap) if held_on_average is not None else None
             for length in (n for n in lengths if n):  # an empty answer has no margins: nothing to judge
-                watched = fidelity.Guard(curve, fidelity.target_for(level, curve), fidelity.target_of(level))
-                held = all(watched.admits(m) for m in margins_at[budget][start:start + length])
+                watched = fidelity.Guard(curve, fidelity.target_for(level, curve), fidelity.target_of(level), account)
+                margins, held = margins_at[budget][start:start + length], True
+                for m in margins:
+                    if held:
+                        held = watched.admits(m)
+                    if not held:
+                        watched.passes(m)
+                watched.settle()
                 engine.routes.judged(("cacheblend", level, budget), held)
                 start += length
 

@@ -269,6 +269,12 @@ class Account:
         with self._lock:
             return {"cap": self.cap, "credit": self.credit, "loans": self.loans, "borrowed": self.borrowed}
 
+    def copy(self) -> Account:
+        """An account holding what this one holds now, for judging what an answer could borrow without lending it
+        (the ladder's trials and calibration's seeding of its routes: repair/routes.py)."""
+        with self._lock:
+            return Account(self.cap, self.credit)
+
 
 class Guard:
     """One request's running risk: `trusts(logits)` says whether the next token may come from the reused cache

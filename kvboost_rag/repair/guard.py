@@ -461,12 +461,16 @@ def tried(builder: Builder, trial: Trial, answer: Sequence[int]) -> bool:
     [T], the tokens the request was served, teacher-forced; record whether it would have served them all (its first
     token and every later one trusted), and return it. Its forwards take the engine's lock, as a request's do.
 
-    Judged from the answer's first token on, by a guard of the request's policy that borrows nothing (an account
-    lends to answers served, not to trials), and for an escalation by its margins alone (a served escalation's top
-    token must also be the refused repair's, which a trial does not build): a trial can misjudge cost only, never
-    fidelity, as skipping moves cost only."""
+    Judged from the answer's first token on, by a guard of the request's policy, and for an escalation by its
+    margins alone (a served escalation's top token must also be the refused repair's, which a trial does not
+    build): a trial can misjudge cost only, never fidelity, as skipping moves cost only. At a level held on average
+    it may borrow what the level's account holds now, from a copy (an account lends to answers served, not to
+    trials): judged as if held per answer, a step that serves `balanced` answers on credit looked as if it never
+    lasted, and was skipped for good (Gemma 3 270M, man_pages, 64 tokens: every answer a full prefill, the account
+    full and unused; docs/method.md)."""
     built = builder.halved() if trial.step == HALF else builder.repaired(trial.budget)
-    judge = fidelity.Guard(*trial.policy.judged_by(trial.step, trial.budget), trial.policy.minimum)
+    account = trial.policy.account.copy() if trial.policy.account is not None else None
+    judge = fidelity.Guard(*trial.policy.judged_by(trial.step, trial.budget), trial.policy.minimum, account)
     held = judge.trusts(built.logits)
     if held and len(answer) > 1:
         with builder.lock:

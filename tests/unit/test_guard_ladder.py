@@ -459,3 +459,42 @@ def test_a_level_held_on_average_serves_from_the_repair_what_an_exact_answer_lef
     held.predictor = curves
     answers = [held.generate(prompt, max_new_tokens=TOKENS, write_back=False) for _ in range(2)]
     assert [a.served[0].step for a in answers] == [FULL, FULL] and held.accounts["balanced"].credit == 0.0
+
+
+def test_a_trial_at_a_level_held_on_average_may_borrow_what_its_account_holds(make_tiny_engine, prompt):
+    """A skipped step's trial is judged as an answer of its level would be served: at `balanced`, held on average,
+    borrowing what the account holds now, from a copy (nothing is lent to a trial). Judged per answer, a repair that
+    serves answers on credit never lasted in its trials, and was skipped for good with the account full."""
+    curves = dataclasses.replace(floored(constant(0.3), order=0.1, dtype=NEVER), half=None)
+    engine = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0), guarded=True)
+    engine.ingest(corpus())
+    engine.predictor = curves
+    pre = engine.prefill(prompt, max_new_tokens=TOKENS, write_back=False)
+    account = pre.policy.account
+    assert account is engine.accounts["balanced"] and account.credit == 0.0
+    answer = engine.generate(prompt, max_new_tokens=TOKENS, strategy="full", write_back=False).token_ids
+    trial = guard.Trial(("cacheblend", "balanced", BALANCED), REPAIR, BALANCED, pre.policy)
+    assert not guard.tried(pre.builder, trial, answer)  # 30% a token against the floor's 10%: nothing to borrow
+    account.repay(0.0, 4.0 / fidelity.LEND)  # earlier answers left their floor's risk unspent: the cap, 2.0
+    assert guard.tried(pre.builder, trial, answer)  # the shortfall over its 8 tokens (~0.37) borrowed
+    assert account.figures() == {"cap": 2.0, "credit": 2.0, "loans": 0, "borrowed": 0.0}  # from a copy
+    assert list(engine.routes._trusted[trial.key])[-2:] == [False, True]  # after the request's own refusal
+
+
+@pytest.mark.parametrize("floor_credit", [2.0, 0.0])
+def test_calibration_seeds_a_level_held_on_average_as_its_answers_are_served(make_tiny_engine, floor_credit):
+    """calibrate._seed_routes judges calibration's answers in turn, `balanced` borrowing from an account the answers
+    before it lent to, as served: a repair 30% unsure a token against a floor of 10% serves some later answers on
+    credit, where held answer by answer (`strict`, or floor_credit 0) it serves none."""
+    from kvboost_rag import calibrate
+
+    engine = make_tiny_engine(EngineConfig(calibrate=False, floor_credit=floor_credit), guarded=True)
+    predictor = floored(constant(0.3, BALANCED), order=0.1, dtype=NEVER)
+    lengths = [TOKENS] * 12
+    calibrate._seed_routes(engine, predictor, {"balanced": (BALANCED,), "strict": (STRICT,)},
+                           {BALANCED: [1.0] * sum(lengths), STRICT: [1.0] * sum(lengths)}, lengths)
+    balanced = list(engine.routes._trusted[("cacheblend", "balanced", BALANCED)])
+    assert len(balanced) == len(lengths) and not balanced[0]  # the account starts empty
+    # On credit some hold (each held one spends ~0.37 of it, each refused one lends), per answer none does.
+    assert any(balanced) == (floor_credit > 0)
+    assert not any(engine.routes._trusted[("cacheblend", "strict", STRICT)])
