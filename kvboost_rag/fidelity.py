@@ -271,7 +271,7 @@ class Account:
 
     def copy(self) -> Account:
         """An account holding what this one holds now, for judging what an answer could borrow without lending it
-        (the ladder's trials and calibration's seeding of its routes: repair/routes.py)."""
+        (the ladder's trials: repair/guard.tried)."""
         with self._lock:
             return Account(self.cap, self.credit)
 
