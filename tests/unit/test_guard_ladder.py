@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvboost_rag import fidelity, models
+from kvboost_rag import calibrate, fidelity, models
 from kvboost_rag.assembly import APPROX
 from kvboost_rag.config import ConfigError, EngineConfig, RepairConfig
 from kvboost_rag.repair import guard, routes
@@ -486,8 +486,6 @@ def test_calibration_seeds_a_level_held_on_average_as_its_answers_are_served(mak
     """calibrate._seed_routes judges calibration's answers in turn, `balanced` borrowing from an account the answers
     before it lent to, as served: a repair 30% unsure a token against a floor of 10% serves some later answers on
     credit, where held answer by answer (`strict`, or floor_credit 0) it serves none."""
-    from kvboost_rag import calibrate
-
     engine = make_tiny_engine(EngineConfig(calibrate=False, floor_credit=floor_credit), guarded=True)
     predictor = floored(constant(0.3, BALANCED), order=0.1, dtype=NEVER)
     lengths = [TOKENS] * 12
