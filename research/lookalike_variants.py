@@ -18,8 +18,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from load_test import read_items  # research/load_test.py
-from server_replay import prompt_messages  # research/server_replay.py
+from load_test import build_prompts, read_items  # research/load_test.py
 
 from kvboost_rag import KVBoost
 from kvboost_rag.bench.run import correct
@@ -70,14 +69,15 @@ def main() -> None:
     served = {r["prompt"] for r in report["requests"]["A"] if r.get("text")}
     keys = [r["prompt"] for r in sorted(report["requests"]["B"], key=lambda r: r["started"])
             if r.get("text") and r["prompt"] in served][: args.limit]
-    prompts = [prompt_messages(by_id, key) for key in keys]
-    paired = [item for item, _ in prompts]
+    chats = {p.key: p.messages for p in build_prompts(items, config["orders"], config["seed"])}  # the servers' own
+    prompts = [chats[key] for key in keys]
+    paired = [by_id[key.split("@")[0]] for key in keys]
 
     engine = KVBoost.from_pretrained(dtype=config["dtype"])
     engine.ingest(documents, progress=False)
-    texts = {"full": [answer(engine, m, args.tokens, "full") for _, m in prompts]}
+    texts = {"full": [answer(engine, m, args.tokens, "full") for m in prompts]}
     for name, (strategy, overrides) in STRATEGIES.items():
-        texts[name] = [answer(engine, m, args.tokens, strategy, overrides) for _, m in prompts]
+        texts[name] = [answer(engine, m, args.tokens, strategy, overrides) for m in prompts]
     reversed_chats = [rag_messages(ordered_documents(item, key)[::-1], item.question, item.system)
                       for item, key in zip(paired, keys, strict=True)]
     texts["full, documents reversed"] = [answer(engine, m, args.tokens, "full") for m in reversed_chats]
@@ -91,7 +91,7 @@ def main() -> None:
         for name, (engine_config, docs) in builds.items():
             other = KVBoost.from_pretrained(config=engine_config)
             other.ingest(docs, progress=False)
-            texts[name] = [answer(other, m, args.tokens) for _, m in prompts]
+            texts[name] = [answer(other, m, args.tokens) for m in prompts]
             other.close()
 
     print(f"{len(keys)} prompts both servers answered, {args.tokens} tokens")

@@ -18,18 +18,10 @@ import collections
 import json
 from pathlib import Path
 
-from load_test import read_items  # research/load_test.py
+from load_test import build_prompts, read_items  # research/load_test.py
 
 from kvboost_rag import KVBoost
 from kvboost_rag.bench.run import correct
-from kvboost_rag.prompts import rag_messages
-
-
-def prompt_messages(items: dict, key: str) -> tuple:
-    """The item and the chat of a prompt key, `item id@document order` (load_test.build_prompts)."""
-    item_id, order = key.split("@")
-    item = items[item_id]
-    return item, rag_messages([item.documents[int(i)] for i in order.split(".")], item.question, item.system)
 
 
 def main() -> None:
@@ -42,6 +34,7 @@ def main() -> None:
     report = json.loads(Path(args.report).read_text())
     config = report["config"]
     items, documents = read_items(Path(config["data"]), config["skip"], config["items"])
+    chats = {p.key: p.messages for p in build_prompts(items, config["orders"], config["seed"])}  # the server's own
     items = {item.id: item for item in items}
     engine = KVBoost.from_pretrained(dtype=config["dtype"])
     engine.ingest(documents, progress=False)
@@ -50,7 +43,7 @@ def main() -> None:
     full = {r["prompt"]: r["text"] for r in report["requests"]["B"] if r.get("text")}
     rows, steps, same, right = [], collections.Counter(), 0, collections.Counter()
     for record in served:
-        item, messages = prompt_messages(items, record["prompt"])
+        item, messages = items[record["prompt"].split("@")[0]], chats[record["prompt"]]
         answer = engine.generate(messages, max_new_tokens=config["max_tokens"])
         steps[tuple(s.step for s in answer.served)] += 1
         same += answer.text == record["text"]
