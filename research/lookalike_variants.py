@@ -6,21 +6,26 @@ server started them) answers each in-process, --tokens tokens, greedy: first ove
 `fast` at a budget of 0.3, naive reuse and `full` over the documents reversed (the order floor); then over engines
 built otherwise (--engines): the documents of four times as many items ingested, and the documents stored alone or
 after the chat template's opening only (`doc_context`), each with the default. Prints, per run, the prompts right,
-lost / won against `full`, and how many equal full's answer; with --json, every answer.
+lost / won against `full`, and how many equal full's answer; with --json, every answer. --passage FILE (repeatable):
+one more engine each, its documents stored after that text instead of the shipped neutral passage
+(`doc_context="passage"`); --no-strategies: of the strategies only `full` and the default.
 
     .venv/bin/python research/lookalike_variants.py out/server_compare.json --json out/lookalike.json  # ~30 min
+    .venv/bin/python research/lookalike_variants.py out/server_compare.json --no-strategies --no-engines \
+        --passage out/trimmed.txt                                                                     # ~12 min
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
 
 from load_test import build_prompts, read_items  # research/load_test.py
 
-from kvboost_rag import KVBoost
+from kvboost_rag import KVBoost, assembly
 from kvboost_rag.bench.run import correct
 from kvboost_rag.config import ChunkingConfig, EngineConfig
 from kvboost_rag.prompts import rag_messages
@@ -43,6 +48,17 @@ def answer(engine: KVBoost, messages: list[dict], tokens: int, strategy: str = "
     return engine.generate(messages, max_new_tokens=tokens, strategy=strategy, repair=repair, write_back=False).text
 
 
+@contextlib.contextmanager
+def stored_after(passage: str):
+    """Engines built inside store documents after `passage` instead of the shipped one. The product has no option
+    for the passage's text (the context is part of the fingerprint, so a store never mixes the two)."""
+    shipped, assembly.CONTEXT_PASSAGE = assembly.CONTEXT_PASSAGE, passage
+    try:
+        yield
+    finally:
+        assembly.CONTEXT_PASSAGE = shipped
+
+
 def tally(name: str, texts: list[str], full: list[str], items: list) -> None:
     right = sum(correct(t, item.answers) for t, item in zip(texts, items, strict=True))
     lost = sum(correct(f, i.answers) > correct(t, i.answers) for t, f, i in zip(texts, full, items, strict=True))
@@ -58,6 +74,10 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="the first N paired prompts only (a smoke run)")
     parser.add_argument("--engines", action=argparse.BooleanOptionalAction, default=True,
                         help="also the engines built otherwise (three more ingestions and calibrations)")
+    parser.add_argument("--strategies", action=argparse.BooleanOptionalAction, default=True,
+                        help="all the strategies and the reversed order, else full and the default only")
+    parser.add_argument("--passage", action="append", default=[], type=Path,
+                        help="a text file: one more engine, its documents stored after this passage")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -76,11 +96,12 @@ def main() -> None:
     engine = KVBoost.from_pretrained(dtype=config["dtype"])
     engine.ingest(documents, progress=False)
     texts = {"full": [answer(engine, m, args.tokens, "full") for m in prompts]}
-    for name, (strategy, overrides) in STRATEGIES.items():
+    for name, (strategy, overrides) in STRATEGIES.items() if args.strategies else [("default", STRATEGIES["default"])]:
         texts[name] = [answer(engine, m, args.tokens, strategy, overrides) for m in prompts]
-    reversed_chats = [rag_messages(ordered_documents(item, key)[::-1], item.question, item.system)
-                      for item, key in zip(paired, keys, strict=True)]
-    texts["full, documents reversed"] = [answer(engine, m, args.tokens, "full") for m in reversed_chats]
+    if args.strategies:
+        reversed_chats = [rag_messages(ordered_documents(item, key)[::-1], item.question, item.system)
+                          for item, key in zip(paired, keys, strict=True)]
+        texts["full, documents reversed"] = [answer(engine, m, args.tokens, "full") for m in reversed_chats]
     engine.close()
     if args.engines:
         _, wide = read_items(data, skip, 4 * count)
@@ -93,6 +114,12 @@ def main() -> None:
             other.ingest(docs, progress=False)
             texts[name] = [answer(other, m, args.tokens) for m in prompts]
             other.close()
+    for path in args.passage:
+        with stored_after(path.read_text().strip()):
+            other = KVBoost.from_pretrained(dtype=config["dtype"])
+        other.ingest(documents, progress=False)
+        texts[f"stored after {path.name}"] = [answer(other, m, args.tokens) for m in prompts]
+        other.close()
 
     print(f"{len(keys)} prompts both servers answered, {args.tokens} tokens")
     for name, answers in texts.items():
