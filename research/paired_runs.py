@@ -13,7 +13,7 @@ import json
 import statistics
 from pathlib import Path
 
-from kvboost_rag.bench.run import sign_test
+from kvboost_rag.bench.run import paired_accuracy, sign_test
 
 
 def by_id(report: dict) -> dict[str, dict]:
@@ -38,13 +38,13 @@ def main() -> None:
     for label, items in runs.items():
         got = [items[i][args.strategy] for i in ids]
         full = [items[i]["full"] for i in ids]
-        lost = sum(f["accuracy"] > g["accuracy"] for f, g in zip(full, got, strict=True))
-        won = sum(f["accuracy"] < g["accuracy"] for f, g in zip(full, got, strict=True))
+        vs_full = paired_accuracy([items[i] for i in ids], args.strategy)  # as the bench pairs them
         base = [first[i][args.strategy]["accuracy"] for i in ids]
         b_lost = sum(b > g["accuracy"] for b, g in zip(base, got, strict=True))
         b_won = sum(b < g["accuracy"] for b, g in zip(base, got, strict=True))
         print(f"| {label} | {statistics.mean(g['accuracy'] for g in got):.3f} "
-              f"({statistics.mean(f['accuracy'] for f in full):.3f}) | {lost} / {won} ({sign_test(lost, won):.2f}) | "
+              f"({statistics.mean(f['accuracy'] for f in full):.3f}) | "
+              f"{vs_full['lost']} / {vs_full['won']} ({vs_full['sign_test_p']:.2f}) | "
               f"{statistics.mean(g['agreement'] for g in got):.3f} | "
               f"{statistics.mean(g['first_token_kl'] for g in got):.4f} | "
               f"{statistics.median(g['speedup'] for g in got):.2f}x | "
