@@ -103,22 +103,22 @@ def main() -> None:
                           for item, key in zip(paired, keys, strict=True)]
         texts["full, documents reversed"] = [answer(engine, m, args.tokens, "full") for m in reversed_chats]
     engine.close()
+    builds = {}  # name: (engine config, documents ingested, what the engine is built inside)
     if args.engines:
         _, wide = read_items(data, skip, 4 * count)
-        builds = {"documents of 4x the items ingested": (EngineConfig(dtype=config["dtype"]), wide)}
+        builds["documents of 4x the items ingested"] = (EngineConfig(dtype=config["dtype"]), wide, None)
         for context in ("none", "template"):
             builds[f"doc_context={context}"] = (EngineConfig(dtype=config["dtype"],
-                                                             chunking=ChunkingConfig(doc_context=context)), documents)
-        for name, (engine_config, docs) in builds.items():
-            other = KVBoost.from_pretrained(config=engine_config)
-            other.ingest(docs, progress=False)
-            texts[name] = [answer(other, m, args.tokens) for m in prompts]
-            other.close()
+                                                             chunking=ChunkingConfig(doc_context=context)),
+                                                documents, None)
     for path in args.passage:
-        with stored_after(path.read_text().strip()):
-            other = KVBoost.from_pretrained(dtype=config["dtype"])
-        other.ingest(documents, progress=False)
-        texts[f"stored after {path.name}"] = [answer(other, m, args.tokens) for m in prompts]
+        builds[f"stored after {path.name}"] = (EngineConfig(dtype=config["dtype"]), documents,
+                                               path.read_text().strip())
+    for name, (engine_config, docs, passage) in builds.items():
+        with stored_after(passage) if passage else contextlib.nullcontext():
+            other = KVBoost.from_pretrained(config=engine_config)
+        other.ingest(docs, progress=False)
+        texts[name] = [answer(other, m, args.tokens) for m in prompts]
         other.close()
 
     print(f"{len(keys)} prompts both servers answered, {args.tokens} tokens")
