@@ -2,13 +2,14 @@
 
 Takes research/server_compare.py's report, and for the prompts both servers answered (in the order the `full`
 server started them) answers each in-process, --tokens tokens, greedy: first over one engine as the server builds it
-(the same documents ingested and calibrated) with `full`, the default, `fast` (no guard), `fast` without drift maps,
-`fast` at a budget of 0.3, naive reuse and `full` over the documents reversed (the order floor); then over engines
-built otherwise (--engines): the documents of four times as many items ingested, and the documents stored alone or
-after the chat template's opening only (`doc_context`), each with the default. Prints, per run, the prompts right,
-lost / won against `full`, and how many equal full's answer; with --json, every answer. --passage FILE (repeatable):
-one more engine each, its documents stored after that text instead of the shipped neutral passage
-(`doc_context="passage"`); --no-strategies: of the strategies only `full` and the default.
+(the same documents ingested and calibrated) with `full`, the default with and without drift maps, `fast` (no
+guard) with and without them, at a budget of 0.3 with and without them, naive reuse and `full` over the documents
+reversed (the order floor); then over engines built otherwise (--engines): the documents of four times as many items
+ingested, and the documents stored alone or after the chat template's opening only (`doc_context`), each with the
+default. Prints, per run, the prompts right, lost / won against `full`, and how many equal full's answer; with
+--json, every answer. --passage FILE (repeatable): one more engine each, its documents stored after that text instead
+of the shipped neutral passage (`doc_context="passage"`); --no-strategies: of the strategies only `full` and the
+default.
 
     .venv/bin/python research/lookalike_variants.py out/server_compare.json --json out/lookalike.json  # ~30 min
     .venv/bin/python research/lookalike_variants.py out/server_compare.json --no-strategies --no-engines \
@@ -35,6 +36,8 @@ STRATEGIES = {  # name: (strategy, RepairConfig overrides)
     "fast": ("cacheblend", {"fidelity": "fast"}),
     "fast, no drift maps": ("cacheblend", {"fidelity": "fast", "drift": False}),
     "fast at 0.3": ("cacheblend", {"fidelity": "fast", "recompute_ratio": 0.3}),
+    "fast at 0.3, no drift maps": ("cacheblend", {"fidelity": "fast", "recompute_ratio": 0.3, "drift": False}),
+    "default, no drift maps": ("cacheblend", {"drift": False}),
     "naive": ("naive", {"fidelity": "fast"}),
 }
 
