@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from load_test import build_prompts, read_items  # research/load_test.py
+from lookalike_variants import paired_prompts  # research/lookalike_variants.py
 from oracle_layers import oracle_choice, true_at  # research/oracle_layers.py
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
@@ -51,12 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     report = json.loads(Path(args.report).read_text())
     config = report["config"]
-    items, documents = read_items(Path(config["data"]), config["skip"], config["items"])
-    by_id = {item.id: item for item in items}
-    served = {r["prompt"] for r in report["requests"]["A"] if r.get("text")}
-    keys = [r["prompt"] for r in sorted(report["requests"]["B"], key=lambda r: r["started"])
-            if r.get("text") and r["prompt"] in served][: args.limit]
-    chats = {p.key: p.messages for p in build_prompts(items, config["orders"], config["seed"])}
+    keys, prompts, paired, documents = paired_prompts(report, args.limit)
 
     engine = KVBoost.from_pretrained(config=EngineConfig(dtype=config["dtype"], repair=RepairConfig(fidelity="fast")))
     engine.ingest(documents, progress=False, calibrate=False)
@@ -65,13 +60,12 @@ def main() -> None:
     variants = ["naive", "truth<10", "truth<20", "truth>=10", "truth>=20", "distinct", "shared", "starts4",
                 "oracle", "oracle30", "cacheblend", "cacheblend30"]
     rows = []
-    for key in keys:
-        item, messages = by_id[key.split("@")[0]], chats[key]
+    for key, messages, item in zip(keys, prompts, paired, strict=True):
         row = {"prompt": key}
         with torch.inference_mode():
+            # Decoding writes past the prompt only: the same cache then takes full's answer teacher-forced.
             full = engine.prefill(messages, "full", max_new_tokens=TOKENS, write_back=False)
             full_text, greedy = decoded(engine, full)
-            full = engine.prefill(messages, "full", max_new_tokens=TOKENS, write_back=False)
             reference = continued_logits(engine, full, full.logits[None], greedy)
             row["full"] = {"text": full_text, "right": correct(full_text, item.answers)}
             p = engine.plan(messages, "naive")

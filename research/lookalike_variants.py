@@ -46,6 +46,20 @@ def ordered_documents(item, key: str) -> list[str]:
     return [item.documents[int(i)] for i in key.split("@")[1].split(".")]
 
 
+def paired_prompts(report: dict, limit: int | None = None) -> tuple[list[str], list[list[dict]], list, list[str]]:
+    """The prompts both servers of `report` answered, in the order the `full` server started them (the first
+    `limit`): their keys, their chat messages (the servers' own), their items, and every document of the report's
+    items."""
+    config = report["config"]
+    items, documents = read_items(Path(config["data"]), config["skip"], config["items"])
+    by_id = {item.id: item for item in items}
+    served = {r["prompt"] for r in report["requests"]["A"] if r.get("text")}
+    keys = [r["prompt"] for r in sorted(report["requests"]["B"], key=lambda r: r["started"])
+            if r.get("text") and r["prompt"] in served][:limit]
+    chats = {p.key: p.messages for p in build_prompts(items, config["orders"], config["seed"])}
+    return keys, [chats[key] for key in keys], [by_id[key.split("@")[0]] for key in keys], documents
+
+
 def answer(engine: KVBoost, messages: list[dict], tokens: int, strategy: str = "cacheblend", overrides=None) -> str:
     repair = dataclasses.replace(engine.config.repair, **overrides) if overrides else None
     return engine.generate(messages, max_new_tokens=tokens, strategy=strategy, repair=repair, write_back=False).text
@@ -86,15 +100,7 @@ def main() -> None:
 
     report = json.loads(Path(args.report).read_text())
     config = report["config"]
-    data, skip, count = Path(config["data"]), config["skip"], config["items"]
-    items, documents = read_items(data, skip, count)
-    by_id = {item.id: item for item in items}
-    served = {r["prompt"] for r in report["requests"]["A"] if r.get("text")}
-    keys = [r["prompt"] for r in sorted(report["requests"]["B"], key=lambda r: r["started"])
-            if r.get("text") and r["prompt"] in served][: args.limit]
-    chats = {p.key: p.messages for p in build_prompts(items, config["orders"], config["seed"])}  # the servers' own
-    prompts = [chats[key] for key in keys]
-    paired = [by_id[key.split("@")[0]] for key in keys]
+    keys, prompts, paired, documents = paired_prompts(report, args.limit)
 
     engine = KVBoost.from_pretrained(dtype=config["dtype"])
     engine.ingest(documents, progress=False)
@@ -108,7 +114,7 @@ def main() -> None:
     engine.close()
     builds = {}  # name: (engine config, documents ingested, what the engine is built inside)
     if args.engines:
-        _, wide = read_items(data, skip, 4 * count)
+        _, wide = read_items(Path(config["data"]), config["skip"], 4 * config["items"])
         builds["documents of 4x the items ingested"] = (EngineConfig(dtype=config["dtype"]), wide, None)
         for context in ("none", "template"):
             builds[f"doc_context={context}"] = (EngineConfig(dtype=config["dtype"],
