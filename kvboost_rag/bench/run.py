@@ -270,6 +270,22 @@ def store_shared_prefix(engine: KVBoost, item: BenchItem, layout: str = "bench")
         engine.prefill(rendered[:first_doc], "prefix")
 
 
+def check_fits(engine: KVBoost, items: list[BenchItem], max_new_tokens: int, layout: str = "bench") -> None:
+    """Refuse, before the slow part (ingestion and calibration take minutes on long documents), a set whose prompts
+    would not fit the context window with their answers: every such item is named, not the first one met
+    mid-run."""
+    over = []
+    for item in items:
+        n = len(engine.tokenize(engine.render(render_prompt(item, layout))).prompt_ids)
+        if n + max_new_tokens > engine.adapter.max_context:
+            over.append(f"{item.id} ({n} tokens)")
+    if over:
+        raise ValueError(f"{len(over)} of {len(items)} items' prompts plus {max_new_tokens} new tokens exceed the "
+                         f"model's context window ({engine.adapter.max_context}): {', '.join(over[:10])}"
+                         f"{' and more' if len(over) > 10 else ''}; leave them out of the data or shorten their "
+                         "documents")
+
+
 def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec], *, max_new_tokens: int = 16,
               agree_tokens: int = 16, progress: bool = True, drift_prompts: int = 0,
               floor: KVBoost | None = None, layout: str = "bench", order_floor: bool = False) -> dict:
@@ -277,6 +293,7 @@ def run_bench(engine: KVBoost, items: list[BenchItem], specs: list[StrategySpec]
     the JSON-ready report. With `floor` (the model in another dtype), its full prefill is one more row (the dtype
     floor); with `order_floor`, a full prefill of the documents in reverse order is another."""
     started = time.perf_counter()
+    check_fits(engine, items, max_new_tokens, layout)
     checked = engine.shadow.observed()  # an engine that served before: only the bench's checks are reported
     engine.ingest([d for item in items for d in item.documents], progress=progress)
     calibrated = engine.predictor  # what the floors' curves were before the checks of the bench's answers refit them

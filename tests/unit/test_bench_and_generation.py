@@ -94,6 +94,30 @@ def test_the_bench_scores_a_noise_floor_row_as_it_scores_the_strategies(make_tin
     assert max(item["naive"]["first_logit_gap"] for item in report["per_item"]) == rows["naive"]["max_first_logit_gap"]
 
 
+def test_the_bench_refuses_items_over_the_context_window_before_ingesting_anything(make_tiny_engine, docs):
+    """A set from elsewhere with a few over-long items fails at once, naming each, not mid-run after the minutes of
+    ingestion and calibration that long documents take."""
+    from kvboost_rag.bench.data import BenchItem
+    from kvboost_rag.bench.run import check_fits, parse_strategies, render_prompt, run_bench
+
+    engine = make_tiny_engine()
+    window = engine.adapter.max_context
+    long_doc = " ".join(["harbour"] * window)
+    items = [BenchItem("fits", tuple(docs), "Who founded the brewing company?"),
+             BenchItem("too-long", (docs[0], long_doc), "Who?"),
+             BenchItem("also-too-long", (long_doc,), "Who?")]
+    with pytest.raises(ValueError, match=r"2 of 3 items.*too-long \(\d+ tokens\), also-too-long.*leave them out"):
+        run_bench(engine, items, parse_strategies("full,naive", engine.config.repair), max_new_tokens=4,
+                  progress=False)
+    assert len(engine.documents) == 0  # refused before ingestion
+    # The answer's room counts: a prompt that fits alone but not with its answer is refused too.
+    fits = items[0]
+    n = len(engine.tokenize(engine.render(render_prompt(fits))).prompt_ids)
+    check_fits(engine, [fits], window - n)
+    with pytest.raises(ValueError, match="1 of 1 items"):
+        check_fits(engine, [fits], window - n + 1)
+
+
 def test_the_bench_scores_an_order_floor_row_on_the_documents_reversed(make_tiny_engine, docs):
     from kvboost_rag.bench.data import BenchItem
     from kvboost_rag.bench.run import ORDER_FLOOR, parse_strategies, run_bench
