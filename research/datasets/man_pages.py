@@ -239,13 +239,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--items", type=int, default=N_ITEMS)
+    ap.add_argument("--seed", type=int, default=SEED, help="another seed draws a new sample (%(default)s: the shipped set)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "research" / "datasets"))
     from fidelity_holdout import bundled_counter, summarize
 
-    count, all_pages = bundled_counter(), pages(random.Random(f"man_pages:{SEED}"))
+    count, all_pages = bundled_counter(), pages(random.Random(f"man_pages:{args.seed}"))
     print(f"{len(all_pages)} manual pages, {len({p.source for p in all_pages})} sources", file=sys.stderr)
-    write_set(args.out, [make_item(i, all_pages, count, SEED) for i in range(args.items)])
+    write_set(args.out, [make_item(i, all_pages, count, args.seed) for i in range(args.items)])
     print(summarize(args.out))
 
 

@@ -181,13 +181,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--site", type=Path, default=Path(sysconfig.get_paths()["purelib"]))
+    ap.add_argument("--seed", type=int, default=SEED, help="another seed draws a new sample (%(default)s: the shipped set)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "research" / "datasets"))
     from fidelity_holdout import bundled_counter, summarize
 
     count, all_pages = bundled_counter(), pages(args.site)
     print(f"{len(all_pages)} package pages in {args.site}", file=sys.stderr)
-    write_set(args.out, [make_item(i, all_pages, count, SEED) for i in range(N_ITEMS)])
+    write_set(args.out, [make_item(i, all_pages, count, args.seed) for i in range(N_ITEMS)])
     print(summarize(args.out))
 
 
