@@ -28,15 +28,13 @@ import statistics
 from pathlib import Path
 
 import torch
+from oracle_layers import TOKENS, truth  # research/oracle_layers.py
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag.assembly import APPROX, assemble
 from kvboost_rag.bench.data import load_items
 from kvboost_rag.bench.run import continued_logits, kl, render_prompt
 from kvboost_rag.engine import Prefill
-from kvboost_rag.generation import SamplingParams
-
-TOKENS = 16
 
 
 def hidden_states(adapter, token_ids: list[int]) -> torch.Tensor:
@@ -94,10 +92,7 @@ def main() -> None:
         engine.ingest(list(item.documents), progress=False)
         prompt = render_prompt(item)
         with torch.inference_mode():
-            full = engine.prefill(prompt, "full", max_new_tokens=TOKENS, write_back=False)
-            greedy = list(list(engine.stream_from(full, SamplingParams(TOKENS)))[-1].result.token_ids) or [0]
-            full = engine.prefill(prompt, "full", max_new_tokens=TOKENS, write_back=False)
-            reference = continued_logits(engine, full, full.logits[None], greedy)
+            full, greedy, reference = truth(engine, prompt)
             p = engine.plan(prompt, "naive")
             n = p.num_tokens
             reused, uncached = p.positions(APPROX), p.computed_positions()

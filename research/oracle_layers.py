@@ -75,6 +75,14 @@ def oracle_choice(truth, stale, reused, n, num_layers, nested: bool, recency: fl
     return choice
 
 
+def truth(engine, prompt) -> tuple[Prefill, list[int], torch.Tensor]:
+    """A full prefill of `prompt`, its greedy answer (TOKENS tokens) and the logits teacher-forced on it [T, V]: what
+    every variant is scored against. One prefill: decoding writes past the prompt only."""
+    full = engine.prefill(prompt, "full", max_new_tokens=TOKENS, write_back=False)
+    greedy = list(list(engine.stream_from(full, SamplingParams(TOKENS)))[-1].result.token_ids) or [0]
+    return full, greedy, continued_logits(engine, full, full.logits[None], greedy)
+
+
 def main() -> None:
     data, start, end, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     model = sys.argv[6] if len(sys.argv) > 6 else None
@@ -92,10 +100,7 @@ def main() -> None:
         engine.ingest(list(item.documents), progress=False, calibrate=False)
         prompt = render_prompt(item)
         with torch.inference_mode():
-            full = engine.prefill(prompt, "full", max_new_tokens=TOKENS, write_back=False)
-            greedy = list(list(engine.stream_from(full, SamplingParams(TOKENS)))[-1].result.token_ids) or [0]
-            full = engine.prefill(prompt, "full", max_new_tokens=TOKENS, write_back=False)
-            reference = continued_logits(engine, full, full.logits[None], greedy)
+            full, greedy, reference = truth(engine, prompt)
             p = engine.plan(prompt, "naive")
             n = p.num_tokens
             stale = assemble(p, adapter, n + TOKENS)

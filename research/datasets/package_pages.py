@@ -181,7 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--site", type=Path, default=Path(sysconfig.get_paths()["purelib"]))
-    ap.add_argument("--seed", type=int, default=SEED, help="another seed draws a new sample (%(default)s: the shipped set)")
+    ap.add_argument("--seed", type=int, default=SEED,
+                    help="another seed draws a new sample (%(default)s: the shipped set)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "research" / "datasets"))
     from fidelity_holdout import bundled_counter, summarize
