@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from oracle_layers import TOKENS, truth  # research/oracle_layers.py
+from oracle_layers import TOKENS, true_at, truth  # research/oracle_layers.py
 
 from kvboost_rag import EngineConfig, KVBoost, RepairConfig
 from kvboost_rag.assembly import APPROX, assemble
@@ -53,10 +53,9 @@ def stored_hidden(engine, p) -> dict[int, torch.Tensor]:
         if chunk.source != APPROX:
             continue
         tokens = chunk.token_ids
-        doc = next(d for d in p.segments if not isinstance(d, str) and _find(d.token_ids, tokens) >= 0)
+        doc, at = next((d, i) for d in p.segments if not isinstance(d, str) and (i := _find(d.token_ids, tokens)) >= 0)
         if doc.token_ids not in docs:
             docs[doc.token_ids] = hidden_states(adapter, context + list(doc.token_ids))[:, len(context):]
-        at = _find(doc.token_ids, tokens)
         for k in range(len(tokens)):
             by_position[chunk.start + k] = docs[doc.token_ids][:, at + k]
     return by_position
@@ -100,20 +99,18 @@ def main() -> None:
             by_position = stored_hidden(engine, p)
             stored_h = torch.stack([by_position[int(i)] for i in reused], dim=1)  # [L, R, H]
             delta = true_h[c, reused] - stored_h[c]  # [R, H]
+            stale, scratch = assemble(p, adapter, n + TOKENS), adapter.new_buffers(n + TOKENS)
+            exact = {g: reused for g in range(c if args.carry_from else 0)}  # layers below c, true in every variant
             row = {"id": item.id}
             for name in variants:
-                cache = assemble(p, adapter, n + TOKENS)
-                for g in range(c if args.carry_from else 0):
-                    cache.keys[g][:, :, reused] = full.cache.keys[g][:, :, reused]
-                    cache.values[g][:, :, reused] = full.cache.values[g][:, :, reused]
-                for g in layers if name != "naive" else []:
-                    if name == "truth":
-                        keys, values = full.cache.keys[g][:, :, reused], full.cache.values[g][:, :, reused]
-                    else:
-                        alpha = 0.0 if name.startswith("stored") else float(name.split()[1])
+                cache = true_at(full.cache, stale, exact | ({g: reused for g in layers} if name == "truth" else {}),
+                                scratch)
+                if name not in ("naive", "truth"):
+                    alpha = 0.0 if name.startswith("stored") else float(name.split()[1])
+                    for g in layers:
                         keys, values = adapter.project_kv(g, (stored_h[g] + alpha * delta)[None], reused)
-                    cache.keys[g][:, :, reused] = keys
-                    cache.values[g][:, :, reused] = values
+                        cache.keys[g][:, :, reused] = keys
+                        cache.values[g][:, :, reused] = values
                 hidden = adapter.run_layers(adapter.embed(p.token_ids[uncached]), uncached, cache, range(L), n)
                 pre = Prefill(p, cache, adapter.logits(hidden[:, -1:])[-1], uncached.numel(), name, 0.0, 0.0)
                 per_token = kl(reference, continued_logits(engine, pre, pre.logits[None], greedy)[: len(reference)])
