@@ -5,7 +5,7 @@ On families of near-identical records the repaired cache names a look-alike docu
 prefill reads the right one ("The look-alike families' answers need almost all of the cache right",
 docs/method.md). Such a step continues a phrase several documents share, each with another next token ("... was
 born in 18|31" / "18|18"). A step is *ambiguous* when the answer's last N tokens occur in the prompt followed by
-two or more distinct tokens; that needs only the prompt's token ids, so the guard could read it at no cost. And
+two or more distinct tokens (over the prompt and the answer before the step); the guard could read it at no cost. And
 per step whether the order floor (a full prefill of the documents reversed, teacher-forced) chooses otherwise: the
 guard holds the cache's flips to the floor's, so what matters is whether ambiguity raises the one more than the
 other.
@@ -17,11 +17,11 @@ ambiguous. Prints flip rates by margin band and ambiguity, and the log-loss of a
 ambiguity logistic curve fitted on each set and judged on the others.
 
     .venv/bin/python research/copy_ambiguity.py out/g68/syn_700.jsonl research/data/package_pages.jsonl \
-        research/data/man_pages.jsonl research/data/multidoc_other.jsonl --limit 24 --json out/g69/ambiguity.json
+        --limit 24 --json out/g69/ambiguity3.json   # 13 min
 
 (out/g68/syn_700.jsonl: research/datasets/synthetic_set.py --first 700 --n 64 --k 8 --words 150 --seed 0.) Found:
-ambiguity raises the order floor's flips as much as the repair's; docs/method.md, "A step two documents could
-continue".
+ambiguity raises the order floor's flips about as much as the repair's; docs/method.md, "A step two documents
+could continue".
 """
 
 from __future__ import annotations
@@ -43,16 +43,18 @@ from kvboost_rag.generation import SamplingParams
 
 
 def ambiguous_steps(prompt_ids: list[int], answer: list[int], n: int) -> list[bool]:
-    """Per step t of `answer`: whether its last n tokens before t occur in the prompt followed by two or more
-    distinct tokens (the answer so far and the prompt together, so an answer that repeats itself counts too)."""
+    """Per step t of `answer`: whether its last n tokens before t occur in the prompt and the answer before t
+    followed by two or more distinct tokens: what the guard could read before the step, never the token chosen."""
+    seen = list(prompt_ids)
     followers: dict[tuple, set] = {}
-    ids = prompt_ids + answer
-    for i in range(len(ids) - n):
-        followers.setdefault(tuple(ids[i:i + n]), set()).add(ids[i + n])
+    for i in range(len(seen) - n):
+        followers.setdefault(tuple(seen[i:i + n]), set()).add(seen[i + n])
     out = []
-    for t in range(len(answer)):
-        context = tuple((prompt_ids + answer[:t])[-n:])
-        out.append(len(followers.get(context, ())) >= 2)
+    for token in answer:
+        out.append(len(followers.get(tuple(seen[-n:]), ())) >= 2)
+        seen.append(token)
+        if len(seen) > n:
+            followers.setdefault(tuple(seen[-n - 1:-1]), set()).add(seen[-1])
     return out
 
 
