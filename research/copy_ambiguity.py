@@ -27,7 +27,6 @@ could continue".
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 from dataclasses import replace
@@ -59,14 +58,15 @@ def ambiguous_steps(prompt_ids: list[int], answer: list[int], n: int) -> list[bo
 
 
 @torch.inference_mode()
-def samples(engine: KVBoost, item, tokens: int, n: int) -> list[tuple[float, bool, bool]]:
+def samples(engine: KVBoost, item, tokens: int, n: int) -> list[tuple[float, bool, bool, bool]]:
+    """Per step of full's answer: (the repaired cache's margin, its flip, ambiguous, the order floor's flip)."""
     messages = render_prompt(item)
     full = engine.prefill(messages, "full", max_new_tokens=tokens, write_back=False)
     *_, last = engine.stream_from(full, SamplingParams(tokens))
     answer = list(last.result.token_ids)
     if not answer:
         return []
-    unguarded = dataclasses.replace(engine.config.repair, fidelity="fast")
+    unguarded = replace(engine.config.repair, fidelity="fast")
     reused = engine.prefill(messages, "cacheblend", max_new_tokens=tokens, write_back=False, repair=unguarded)
     steps = torch.cat([reused.logits[None], engine.continuation_logits(reused, answer[:-1])]) \
         if len(answer) > 1 else reused.logits[None]
@@ -77,9 +77,14 @@ def samples(engine: KVBoost, item, tokens: int, n: int) -> list[tuple[float, boo
             for row, token, a, o in zip(steps, answer, amb, order, strict=True)]
 
 
-def fit(rows, with_amb: bool) -> torch.Tensor:
+def design(rows, with_amb: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples' features [T, 2 or 3] (1, margin, and ambiguity where asked) and their flips [T]."""
     x = torch.tensor([[1.0, m] + ([float(a)] if with_amb else []) for m, _, a, _ in rows])
-    y = torch.tensor([float(f) for _, f, _, _ in rows])
+    return x, torch.tensor([float(f) for _, f, _, _ in rows])
+
+
+def fit(rows, with_amb: bool) -> torch.Tensor:
+    x, y = design(rows, with_amb)
     w = torch.zeros(x.shape[1], requires_grad=True)
     opt = torch.optim.LBFGS([w], max_iter=200)
 
@@ -93,8 +98,7 @@ def fit(rows, with_amb: bool) -> torch.Tensor:
 
 
 def log_loss(w: torch.Tensor, rows, with_amb: bool) -> float:
-    x = torch.tensor([[1.0, m] + ([float(a)] if with_amb else []) for m, _, a, _ in rows])
-    y = torch.tensor([float(f) for _, f, _, _ in rows])
+    x, y = design(rows, with_amb)
     return float(torch.nn.functional.binary_cross_entropy_with_logits(x @ w, y))
 
 
