@@ -262,6 +262,11 @@ class EngineConfig:
                                  "float32, for a float32 engine where bf16 runs natively (a CPU with bf16 "
                                  "instructions, a GPU): its answers differ from float32's as often as the dtype "
                                  "floor strict is held to, and it runs ~1.6x faster on such a CPU")
+    # Records from one template are told apart only from a cache right nearly everywhere (likeness.py).
+    strict_likeness: float | None = knob(0.1, "hold a 'balanced' request to 'strict' when its documents are this "
+                                              "alike or more: the mean over pairs of the word 4-grams two share "
+                                              "over those either has (records from one template 0.13-0.22, real "
+                                              "pages below 0.05); above 1 or None: never")
     # A floor is a rate over answers (fidelity.Account): the unspent floor risk of answers lent to later ones.
     floor_credit: float = knob(2.0, "answers' worth of floor risk that 'balanced' answers which ran less than their "
                                     "floor may lend to later ones which would pass it, so that the level is held on "
@@ -291,6 +296,8 @@ class EngineConfig:
         check_device(self.device)
         check_number(self, "escalate_to", 0.0, 1.0, hint="0 falls back to a full prefill without repairing again")
         check_number(self, "floor_credit", 0.0, hint="0 holds every answer to its own floor")
+        if self.strict_likeness is not None:
+            check_number(self, "strict_likeness", 0.0, hint="above 1 never holds a request to 'strict' for it")
         check_number(self, "shadow_share", 0.0, 1.0, hint="0 checks no request")
         check_number(self, "shadow_share_young", 0.0, 1.0, hint="0 checks no request")
         check_int(self, "shadow_queue", 1, hint="checks waiting at most")

@@ -119,6 +119,7 @@ class Generation:
     # Which step of the guard's ladder served each range of the answer's tokens, in order (repair/guard.py): a
     # step serves from its first_token to the next one's.
     served: tuple[guard.Served, ...] = ()
+    fidelity: str | float | None = None  # the level it was held to (guard.held_to), None: unguarded
 
     @property
     def generated_tokens(self) -> int:
@@ -367,7 +368,7 @@ class KVBoost:
         # and the store are thread-safe, and a long prompt's preparation must not delay other requests' prefills and
         # decode steps (issue 40).
         p = self.plan(prompt, strategy)
-        n = p.num_tokens
+        settings, n = guard.held_to(settings, p, self.config.strict_likeness), p.num_tokens  # likeness.py
         if n + max_new_tokens > self.adapter.max_context:
             raise ValueError(f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's "
                              f"context window ({self.adapter.max_context}); shorten the prompt or retrieve "
@@ -487,7 +488,7 @@ class KVBoost:
             prompt_tokens=pre.prompt_tokens, reused_tokens=pre.reused_tokens, exact_tokens=pre.exact_tokens,
             recomputed_tokens=pre.recomputed_tokens, fidelity_estimate=risk,
             fell_back=pre.fell_back, exact_from=next((s.first_token for s in served if s.step == guard.FULL), None),
-            recompute_budget=pre.recompute_budget, served=served,
+            recompute_budget=pre.recompute_budget, served=served, fidelity=pre.policy and pre.policy.fidelity,
             document_tokens=pre.plan.document_tokens, document_tokens_reused=pre.plan.document_tokens_reused)
         yield StreamPiece(tail, None, result)
 

@@ -199,16 +199,18 @@ def figures(engine: KVBoost, result: Generation) -> dict[str, Any]:
 def request_figures(result: Generation) -> dict[str, Any]:
     """The request's own figures, the same in every interface (the server's `kvboost` object too): the strategy,
     the timings, the prompt tokens reused, of which exact, and recomputed, and the fidelity guard's figures: the
-    predicted chance the answer differs from a full prefill's, the recompute budget its cache was repaired at (1.0:
-    it fell back to a full prefill), whether it fell back, from which token on it came from an exact cache; and the
-    own tokens of the ingested documents found in the prompt, and how many of them came from the store."""
+    level the answer was held to, the predicted chance it differs from a full prefill's, the recompute budget its
+    cache was repaired at (1.0: it fell back to a full prefill), whether it fell back, from which token on it came
+    from an exact cache; and the own tokens of the ingested documents found in the prompt, and how many of them came
+    from the store."""
     return {"strategy": result.strategy, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms,
             "reused_tokens": result.reused_tokens, "exact_tokens": result.exact_tokens,
             "document_tokens": result.document_tokens, "document_tokens_reused": result.document_tokens_reused,
             # which step of the guard's ladder served which tokens: [{first_token, step, budget, ...}, ...]
             "served": [dataclasses.asdict(step) for step in result.served],
             "recomputed_tokens": result.recomputed_tokens, "fidelity_estimate": result.fidelity_estimate,
-            "recompute_budget": result.recompute_budget, "fell_back": result.fell_back, "exact_from": result.exact_from}
+            "recompute_budget": result.recompute_budget, "fell_back": result.fell_back, "exact_from": result.exact_from,
+            "fidelity": result.fidelity}
 
 
 def token_counts(result: Generation) -> dict[str, int]:

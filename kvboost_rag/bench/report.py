@@ -26,6 +26,7 @@ COLUMNS = [  # (key, header, format)
     ("fell_back", "fell back", "{:.2f}"),
     ("escalated", "escalated", "{:.2f}"),
     ("halved", "bf16 prefill", "{:.2f}"),
+    ("held_strict", "held strict", "{:.2f}"),
     ("switched", "switched", "{:.2f}"),
 ]
 

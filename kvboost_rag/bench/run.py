@@ -189,6 +189,8 @@ def score(samples: dict[str, Sample], item: BenchItem, agree_tokens: int) -> Non
             "escalated": float(any(s.step == "escalate" for s in sample.result.served)),
             # ... or by a full prefill in bf16 (the dtype floor's cache) before any in float32
             "halved": float(any(s.step == "half" for s in sample.result.served)),
+            # held to `strict` (a `balanced` request: its documents are records of one template, guard.held_to)
+            "held_strict": float(sample.result.fidelity == "strict"),
             # the whole answer differs from full's: what fidelity_estimate predicts
             "differs": float(sample.token_ids != full.token_ids),
             # a guarded strategy's answer: its fidelity_estimate is the guard's (others' are 0: nothing predicted)
@@ -218,7 +220,7 @@ def summarize(per_item: list[dict[str, dict]], labels: list[str]) -> dict[str, d
         }
         for key in ("accuracy", "agreement", "first_token_kl", "continuation_kl", "first_logit_gap",
                     "recompute_fraction", "reuse_fraction", "document_reuse", "prompt_tokens", "fidelity_estimate",
-                    "fell_back", "switched", "escalated", "halved", "differs"):
+                    "fell_back", "switched", "escalated", "halved", "held_strict", "differs"):
             values = [r[key] for r in rows if key in r]
             entry[key] = statistics.fmean(values) if values else None
         gaps = [r["first_logit_gap"] for r in rows if "first_logit_gap" in r]

@@ -78,6 +78,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, repair: bool = True) 
                         "application does (the bench's, LangChain's, LlamaIndex's, in tags)")
     if repair:
         add_config_option(g, EngineConfig, "floor_credit", type=float)
+        add_config_option(g, EngineConfig, "strict_likeness", type=float)
         add_config_option(g, EngineConfig, "lookahead", type=count(0))
         add_repair_options(parser)
 
@@ -133,6 +134,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             store=StoreConfig(memory_budget_bytes=args.memory_budget, disk_dir=args.store, kv_bits=args.kv_bits),
             calibration_layout=getattr(args, "calibration_layout", EngineConfig.calibration_layout),
             floor_credit=getattr(args, "floor_credit", EngineConfig.floor_credit),
+            strict_likeness=getattr(args, "strict_likeness", EngineConfig.strict_likeness),
             lookahead=getattr(args, "lookahead", EngineConfig.lookahead),
             transposed_weights=args.transposed_weights,
         )

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import fidelity, models
+from .. import fidelity, likeness, models
 from ..adapter import ModelAdapter, busy_clock
 from ..assembly import APPROX, EXACT, Plan, assemble
 from ..config import LEVEL_BUDGETS, RepairConfig
@@ -284,6 +284,15 @@ def escalations(settings: RepairConfig, ceiling: float) -> tuple[float, ...]:
     own = settings.budget
     steps = sorted({b for b in LEVEL_BUDGETS.values() if own < b < ceiling} | ({ceiling} if ceiling > own else set()))
     return tuple(steps)
+
+
+def held_to(settings: RepairConfig, plan: Plan, strict_likeness: float | None) -> RepairConfig:
+    """The settings a request runs under: a `balanced` one whose documents are `strict_likeness` alike or more
+    (EngineConfig) is held to `strict`, at strict's budget unless it names its own (likeness.py)."""
+    texts = [segment.text for segment in plan.segments if not isinstance(segment, str)]
+    if settings.fidelity != "balanced" or strict_likeness is None or likeness.likeness(texts) < strict_likeness:
+        return settings
+    return dataclasses.replace(settings, fidelity="strict")
 
 
 def policy(strategy: Strategy, settings: RepairConfig, plan: Plan, predictor: fidelity.Predictor | None,

@@ -2,7 +2,9 @@
 and the report of which step served which tokens.
 
 The flip curves are set, not fitted: a curve with slope 0 gives every token the same flip chance, so a test decides
-which steps the guard trusts; the caches, logits and answers are the model's own."""
+which steps the guard trusts; the caches, logits and answers are the model's own. The corpus is records of one
+template, which `balanced` holds to `strict` (test_likeness.py): the engines of balanced's own tests keep it
+(strict_likeness=None)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ ALWAYS = 1 - 1e-12  # one no target allows
 @pytest.fixture
 def engine(make_tiny_engine):
     """A guarded engine (balanced) over the corpus, not calibrated: each test sets its curves."""
-    engine = make_tiny_engine(EngineConfig(calibrate=False), guarded=True)
+    engine = make_tiny_engine(EngineConfig(calibrate=False, strict_likeness=None), guarded=True)
     engine.ingest(corpus())
     return engine
 
@@ -182,8 +184,8 @@ def test_a_step_the_guard_never_trusts_is_skipped_once_it_is_measured_not_to_pay
     and then in case what is asked has changed: after routes.EXPLORE_EVERY skips, then twice as many while it still
     does not pay. With shadow checks, the trial is made once the request is done, by the checks' thread (the request
     never builds it); without, by the request itself."""
-    config = EngineConfig(calibrate=False) if checks else EngineConfig(calibrate=False, shadow_share=0.0,
-                                                                         shadow_share_young=0.0)
+    config = EngineConfig(calibrate=False, strict_likeness=None)
+    config = config if checks else dataclasses.replace(config, shadow_share=0.0, shadow_share_young=0.0)
     engine = make_tiny_engine(config, guarded=True)
     engine.ingest(corpus())
     engine.predictor = constant(ALWAYS)  # no repair trusted, at any budget
@@ -439,7 +441,8 @@ def test_a_level_held_on_average_serves_from_the_repair_what_an_exact_answer_lef
     served from the repair on it. `strict` is held answer by answer; floor_credit=0 holds every answer."""
     curves = floored(constant(0.3), order=0.1, dtype=NEVER)  # 30% a token at every budget, the order floor 10%
     curves = dataclasses.replace(curves, half=None)  # no bf16 step: a refused repair goes to a full prefill
-    engine = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0), guarded=True)
+    engine = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0, strict_likeness=None),
+                              guarded=True)
     engine.ingest(corpus())
     engine.predictor = curves
     first = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False)
@@ -453,7 +456,8 @@ def test_a_level_held_on_average_serves_from_the_repair_what_an_exact_answer_lef
     strict = engine.generate(prompt, max_new_tokens=TOKENS, write_back=False,
                              repair=RepairConfig(fidelity="strict"))
     assert strict.served[0].step == FULL and "strict" not in engine.accounts
-    held = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0, floor_credit=0.0),
+    held = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0, floor_credit=0.0,
+                                         strict_likeness=None),
                             guarded=True)
     held.ingest(corpus())
     held.predictor = curves
@@ -466,7 +470,8 @@ def test_a_trial_at_a_level_held_on_average_may_borrow_what_its_account_holds(ma
     borrowing what the account holds now, from a copy (nothing is lent to a trial). Judged per answer, a repair that
     serves answers on credit never lasted in its trials, and was skipped for good with the account full."""
     curves = dataclasses.replace(floored(constant(0.3), order=0.1, dtype=NEVER), half=None)
-    engine = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0), guarded=True)
+    engine = make_tiny_engine(EngineConfig(calibrate=False, ladder_costs=False, shadow_share=0.0, strict_likeness=None),
+                              guarded=True)
     engine.ingest(corpus())
     engine.predictor = curves
     pre = engine.prefill(prompt, max_new_tokens=TOKENS, write_back=False)

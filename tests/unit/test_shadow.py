@@ -23,7 +23,7 @@ from kvboost_rag.repair.guard import HALF, Judged
 from kvboost_rag.shadow import with_curve
 
 TOKENS = 16
-BALANCED = 0.07
+BALANCED = 0.07  # the tests that read balanced's curve keep their records balanced (strict_likeness=None)
 FAST = RepairConfig(fidelity="fast")  # the same repair, unguarded
 
 
@@ -267,7 +267,8 @@ def test_the_share_is_checked_evenly_from_the_first_request(make_tiny_engine):
 def test_a_curve_calibrated_on_many_tokens_is_moved_part_of_the_way_by_a_few_checks(make_tiny_engine):
     """The wrong curve of the test above, but as if calibrated on 10,000 tokens: two checks refit it with it as the
     prior (fidelity.fit), so it still says flips are rare, where replaced it would follow the 32 new samples."""
-    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0), guarded=True)
+    engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0,
+                                           strict_likeness=None), guarded=True)
     engine.ingest(corpus())
     engine.predictor = dataclasses.replace(NEVER_FLIPS, tokens=10_000)
     checks_needed = math.ceil(fidelity.MIN_TOKENS / TOKENS)
@@ -360,7 +361,7 @@ def test_checks_refit_the_floors_from_what_users_ask(make_tiny_engine, tmp_path)
     reversed prompt makes, counted here apart from the checks; the checks' figures hold the wrong curve's
     predictions (made before the refit) against those changes."""
     engine = make_tiny_engine(EngineConfig(calibrate=False, shadow_share=1.0, shadow_share_young=1.0,
-                                           store=StoreConfig(disk_dir=tmp_path)), guarded=True)
+                                           store=StoreConfig(disk_dir=tmp_path), strict_likeness=None), guarded=True)
     engine.ingest(corpus())
     planned = engine.plan(prompts(1)[0], "full")  # the text the check lays out again, documents found in it
     assert segments_text(planned.segments) == engine.render(prompts(1)[0])
