@@ -20,6 +20,7 @@ from langchain_kvboost import ChatKVBoost, KVBoostPrewarmTransformer
 from langchain_kvboost.chat_models import _to_chat_message
 
 from kvboost_rag.bench.data import bundled, load_items
+from kvboost_rag.likeness import likeness
 
 pytestmark = pytest.mark.real_model
 
@@ -77,16 +78,20 @@ def test_shuffled_chain_reuses_kv_and_matches_full(engine, retriever, corpus):
     for item in items:
         full = rag_chain(retriever, llm.bind(strategy="full")).invoke(item.question)
         default = rag_chain(retriever, llm).invoke(item.question)
+        unguarded = rag_chain(retriever, llm.bind(fidelity="fast")).invoke(item.question)
         exact = rag_chain(retriever, llm.bind(recompute_ratio=1.0)).invoke(item.question)
 
         assert full.response_metadata["reused_tokens"] == 0
-        # Default strategy: the documents' KV is reused although their order is new.
-        meta = default.response_metadata
+        # The documents' KV is reused although their order is new (unguarded: the guard may not trust it).
+        meta = unguarded.response_metadata
         docs = retriever.invoke(item.question)
         doc_tokens = sum(len(engine.documents.get(d.page_content).token_ids) for d in docs)
         assert meta["strategy"] == "cacheblend"
         assert meta["reused_tokens"] - meta["exact_tokens"] >= 0.5 * doc_tokens  # out-of-order reuse
         assert default.usage_metadata["input_tokens"] == full.usage_metadata["input_tokens"]
+        # Documents that are records of one template are held to strict by the default (likeness.py).
+        alike = likeness([d.page_content for d in docs]) >= engine.config.strict_likeness
+        assert default.response_metadata["fidelity"] == ("strict" if alike else "balanced")
         # Exact repair: every reused document token is recomputed, the prefix is still read from the
         # cache (written back by the request above), and the greedy answer is a full prefill's.
         assert exact.response_metadata["reused_tokens"] > 0 and exact.response_metadata["recompute_budget"] == 1.0
@@ -105,7 +110,8 @@ def test_stuff_documents_chain_keeps_boundaries(engine, retriever, corpus):
             self.message = response.generations[0][0].message
 
     items, _ = corpus
-    llm = ChatKVBoost(engine=engine, max_tokens=16)
+    # Unguarded: what is checked is which KV the chain's prompt could reuse, not whether the guard trusts it.
+    llm = ChatKVBoost(engine=engine, max_tokens=16, repair={"fidelity": "fast"})
     chain = combine.create_stuff_documents_chain(llm, PROMPT)
     for item in items:
         docs = shuffled(retriever.invoke(item.question))
