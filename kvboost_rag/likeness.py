@@ -15,7 +15,6 @@ from one template share whole phrases either way (0.13-0.22 on the synthetic fam
 
 from __future__ import annotations
 
-import functools
 import itertools
 import re
 from collections.abc import Sequence
@@ -23,8 +22,7 @@ from collections.abc import Sequence
 GRAM = 4  # words
 
 
-@functools.lru_cache(maxsize=4096)  # a document's grams are read again by every request it is retrieved for
-def word_grams(text: str) -> frozenset[tuple[str, ...]]:
+def word_grams(text: str) -> frozenset[tuple[str, ...]]:  # not cached: 0.4 ms a request of ~600 words
     words = re.findall(r"\w+", text.lower())
     return frozenset(tuple(words[i:i + GRAM]) for i in range(len(words) - GRAM + 1))
 
