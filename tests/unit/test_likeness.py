@@ -24,7 +24,7 @@ def test_likeness_counts_shared_word_4grams():
     assert likeness(PAGES) == 0.0
     assert likeness(RECORDS[:1]) == likeness([]) == 0.0  # no pair
     assert likeness(["too short", "too short"]) == 0.0  # no 4-gram: nothing alike to count
-    # half the 4-grams shared: {a b c d, b c d e} against {a b c d, b c d f}: 1 of 3
+    # {a b c d, b c d e} against {a b c d, b c d f}: one 4-gram shared of the three either has
     assert likeness(["a b c d e", "A, b c d f"]) == pytest.approx(1 / 3)  # words, case and punctuation aside
     assert likeness(RECORDS) > EngineConfig().strict_likeness > likeness(PAGES + RECORDS[:1])
 
