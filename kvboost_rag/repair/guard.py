@@ -289,10 +289,10 @@ def escalations(settings: RepairConfig, ceiling: float) -> tuple[float, ...]:
 def held_to(settings: RepairConfig, plan: Plan, strict_likeness: float | None) -> RepairConfig:
     """The settings a request runs under: a `balanced` one whose documents are `strict_likeness` alike or more
     (EngineConfig) is held to `strict`, at strict's budget unless it names its own (likeness.py)."""
-    texts = [segment.text for segment in plan.segments if not isinstance(segment, str)]
-    if settings.fidelity != "balanced" or strict_likeness is None or likeness.likeness(texts) < strict_likeness:
+    if settings.fidelity != "balanced" or strict_likeness is None:
         return settings
-    return dataclasses.replace(settings, fidelity="strict")
+    texts = [segment.text for segment in plan.segments if not isinstance(segment, str)]
+    return settings if likeness.likeness(texts) < strict_likeness else dataclasses.replace(settings, fidelity="strict")
 
 
 def policy(strategy: Strategy, settings: RepairConfig, plan: Plan, predictor: fidelity.Predictor | None,
