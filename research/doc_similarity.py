@@ -17,15 +17,15 @@ import json
 import statistics
 from pathlib import Path
 
-from kvboost_rag.likeness import likeness as mean_likeness
 from kvboost_rag.likeness import word_grams
 
 
 def likeness(documents: list[str]) -> tuple[float, float]:
-    """(mean, largest) Jaccard of word 4-grams over the pairs of documents (the mean is the guard's cue)."""
+    """(mean, largest) Jaccard of word 4-grams over the pairs of documents (the mean is likeness.likeness, the
+    guard's cue, computed from the same pairs)."""
     grams = [word_grams(d) for d in documents]
     pairs = [len(a & b) / max(len(a | b), 1) for a, b in itertools.combinations(grams, 2)]
-    return (mean_likeness(documents), max(pairs)) if pairs else (0.0, 0.0)
+    return (statistics.fmean(pairs), max(pairs)) if pairs else (0.0, 0.0)
 
 
 def main() -> None:
